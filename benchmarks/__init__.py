@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side, alternating, warm-up discarded, medians. Not tests."""

@@ -1,0 +1,66 @@
+"""metadist: from one PyTorch process to many with a one-line strategy switch, with
+meta-learning gradients kept exact under data parallelism and sharding."""
+
+from metadist import comm
+from metadist.comm.ops import barrier as _barrier
+from metadist.errors import (
+    CollectiveMismatchError,
+    LaunchTimeoutError,
+    MetadistError,
+    NotInitializedError,
+    RankFailedError,
+)
+from metadist.runtime.ranks import (
+    get_logger,
+    not_on_rank,
+    on_rank,
+    print,
+    rank_non_zero_only,
+    rank_zero_only,
+)
+from metadist.runtime.spawn import RankPool, launch
+from metadist.runtime.world import (
+    SELF,
+    World,
+    cross_node_group,
+    init,
+    is_initialized,
+    node_group,
+    shutdown,
+    world,
+)
+
+__version__ = "0.1.0"
+
+
+def barrier() -> None:
+    """Block until every rank of the job reaches this call."""
+    _barrier()
+
+
+__all__ = [
+    "SELF",
+    "CollectiveMismatchError",
+    "LaunchTimeoutError",
+    "MetadistError",
+    "NotInitializedError",
+    "RankFailedError",
+    "RankPool",
+    "World",
+    "__version__",
+    "barrier",
+    "comm",
+    "cross_node_group",
+    "get_logger",
+    "init",
+    "is_initialized",
+    "launch",
+    "node_group",
+    "not_on_rank",
+    "on_rank",
+    "print",
+    "rank_non_zero_only",
+    "rank_zero_only",
+    "shutdown",
+    "world",
+]

@@ -1,0 +1,126 @@
+"""The ``metadist`` command: ``run`` (torch's elastic launcher underneath), ``demo``, ``env``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from collections.abc import Sequence
+
+import torch
+
+import metadist
+from metadist.runtime import env as launch_env
+
+
+def _run(ns: argparse.Namespace) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # One intra-op thread pool per worker sized to its share of the cores (torchrun would
+    # otherwise force 1 thread and warn).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ns.nproc)))
+    argv = ["--nproc-per-node", str(ns.nproc), "--nnodes", ns.nnodes,
+            "--max-restarts", str(ns.max_restarts)]
+    single_node = ns.nnodes in ("1", "1:1")
+    if single_node and ns.master_addr is None and ns.master_port is None:
+        argv.append("--standalone")  # private rendezvous on a free local port
+    else:
+        argv += ["--node-rank", str(ns.node_rank),
+                 "--master-addr", ns.master_addr or launch_env.LOOPBACK,
+                 "--master-port", str(ns.master_port or launch_env.DEFAULT_PORT)]
+    if ns.rdzv_timeout is not None:
+        argv += ["--rdzv-conf", f"timeout={ns.rdzv_timeout}"]
+    # Run the user's script through our entry so a failing worker records its traceback and
+    # the launcher can show it.
+    argv += ["-m", "metadist.runtime.entry", ns.script, *ns.script_args]
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as err:
+        print(f"metadist run: {ns.script} failed\n{err.format_msg()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+DEMOS = ("collectives",)
+
+
+def _demo(ns: argparse.Namespace) -> int:
+    match ns.name:
+        case "collectives":
+            from metadist.demos import collectives as module
+        case _:
+            raise SystemExit(f"demo {ns.name!r} is not known; choose one of: {', '.join(DEMOS)}")
+    script = module.__file__
+    assert script is not None
+    run = build_parser().parse_args(["run", "--nproc", str(ns.nproc), script, *ns.demo_args])
+    return _run(run)
+
+
+def _env(_: argparse.Namespace) -> int:
+    detected = launch_env.detect()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "nccl" if gpus >= detected.local_world_size and gpus > 0 else "gloo"
+    device = f"cuda:{detected.local_rank}" if backend == "nccl" else "cpu"
+    rows = [
+        ("metadist", metadist.__version__),
+        ("torch", torch.__version__),
+        ("python", platform.python_version()),
+        ("launcher", detected.launcher),
+        ("rank", f"{detected.rank} of {detected.world_size}"),
+        ("local rank", f"{detected.local_rank} of {detected.local_world_size}"),
+        ("node", f"{detected.node_rank} of {detected.num_nodes}"),
+        ("master", f"{detected.master_addr or '(unset)'}:{detected.master_port}"),
+        ("backend (auto)", backend if detected.world_size > 1 else "none (world of one)"),
+        ("device", device),
+        ("cuda", torch.version.cuda or "not built with CUDA"),
+        ("gpus visible", str(gpus)),
+        ("gloo / nccl / mpi", " / ".join(
+            "yes" if ok else "no" for ok in (
+                torch.distributed.is_gloo_available(), torch.distributed.is_nccl_available(),
+                torch.distributed.is_mpi_available()))),
+        ("threads", str(torch.get_num_threads())),
+        ("cpus", str(os.cpu_count())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metadist", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="launch a script on N processes (torch elastic underneath)")
+    run.add_argument("--nproc", type=int, default=1, help="processes on this node (default 1)")
+    run.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs")
+    run.add_argument("--node-rank", type=int, default=0, help="this node's rank (static jobs)")
+    run.add_argument("--master-addr", default=None, help="address of node 0 (default loopback)")
+    run.add_argument("--master-port", type=int, default=None, help="port on node 0")
+    run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers K times")
+    run.add_argument("--rdzv-timeout", type=int, default=None, help="rendezvous timeout, seconds")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    run.set_defaults(handler=_run)
+
+    demo = sub.add_parser("demo", help="run a demo on N processes through `metadist run`")
+    demo.add_argument("name", nargs="?", default=DEMOS[0], help=f"one of: {', '.join(DEMOS)}")
+    demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments for the demo")
+    demo.set_defaults(handler=_demo)
+
+    env = sub.add_parser("env", help="show the detected launcher, world, backend and versions")
+    env.set_defaults(handler=_env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    code: int = ns.handler(ns)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

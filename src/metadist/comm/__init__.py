@@ -1,0 +1,53 @@
+"""Everything that moves bytes between ranks: collectives, fused and differentiable variants,
+and the counters that benchmarks read. Strategies call these, never torch.distributed."""
+
+from metadist.comm import functional, stats
+from metadist.comm.fused import fused_all_reduce, fused_broadcast, fused_reduce, plan_buckets
+from metadist.comm.ops import (
+    REDUCE_OPS,
+    Handle,
+    ReduceOpName,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    all_to_all,
+    backend_of,
+    barrier,
+    broadcast,
+    broadcast_object,
+    gather,
+    group_info,
+    reduce,
+    reduce_scatter,
+    scatter,
+    set_debug,
+)
+from metadist.runtime.world import SELF, Group
+
+__all__ = [
+    "REDUCE_OPS",
+    "SELF",
+    "Group",
+    "Handle",
+    "ReduceOpName",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "backend_of",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "functional",
+    "fused_all_reduce",
+    "fused_broadcast",
+    "fused_reduce",
+    "gather",
+    "group_info",
+    "plan_buckets",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "set_debug",
+    "stats",
+]

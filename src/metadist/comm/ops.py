@@ -1,0 +1,376 @@
+"""The collectives, with string reduce ops, one handle type and shims for torch 2.5-2.15.
+
+Every collective works in place on the tensors it is given and returns a :class:`Handle`;
+with ``async_op=False`` the handle is already complete. ``src``/``dst`` are ranks *within*
+``group``. A world of one, or the :data:`~metadist.runtime.world.SELF` group, makes every
+collective the identity without touching torch.distributed.
+
+Backend-aware choices live here, not in the strategies: gloo's all_gather and reduce_scatter
+are several times slower than broadcast and all_reduce on the same bytes, so ``impl="auto"``
+builds them from those primitives on gloo and uses the native ones elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from metadist.comm import stats
+from metadist.errors import CollectiveMismatchError
+from metadist.runtime import world as _world
+from metadist.runtime.world import SELF, Group
+
+ReduceOpName = Literal["sum", "mean", "max", "min", "prod"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
+Impl = Literal["auto", "native"]
+
+# torch 2.13 renamed the single-tensor variants; older releases only have the former names.
+_all_gather_single: Callable[..., Any] = (
+    getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+)
+_reduce_scatter_single: Callable[..., Any] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+_debug = os.environ.get("METADIST_DEBUG_COLLECTIVES", "") not in ("", "0")
+_debug_seq = 0
+
+
+def set_debug(enabled: bool) -> None:
+    """Cross-check op, shape and order on every rank before each collective (slow; debugging).
+
+    A rank that skips, reorders or resizes a collective then fails with
+    :class:`~metadist.errors.CollectiveMismatchError` naming the op and the ranks instead of
+    hanging. Also enabled by ``METADIST_DEBUG_COLLECTIVES=1``.
+    """
+    global _debug
+    _debug = enabled
+
+
+class Handle:
+    """A waitable result of a collective. ``wait()`` returns the result and is idempotent."""
+
+    def __init__(self, result: Any, works: Sequence[Any] = (),
+                 finish: Callable[[], None] | None = None) -> None:
+        self._result = result
+        self._works = list(works)
+        self._finish = finish
+        self._done = not self._works and finish is None
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> Any:
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            if self._finish is not None:
+                self._finish()
+            self._works.clear()
+            self._done = True
+        return self._result
+
+
+def _torch_op(op: str) -> Any:
+    match op:
+        case "sum" | "mean":
+            return dist.ReduceOp.SUM
+        case "max":
+            return dist.ReduceOp.MAX
+        case "min":
+            return dist.ReduceOp.MIN
+        case "prod":
+            return dist.ReduceOp.PRODUCT
+        case _:
+            raise ValueError(
+                f"reduce op {op!r} is not known; choose one of: {', '.join(REDUCE_OPS)}")
+
+
+def group_info(group: Group) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(process group or None, size, rank in group)``; size 1 means "identity"."""
+    if group is SELF:
+        return None, 1, 0
+    w = _world.world()
+    if not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was passed but torch.distributed is not initialised")
+        return None, 1, 0
+    pg = group if group is not None else dist.group.WORLD
+    assert isinstance(pg, dist.ProcessGroup)
+    size = dist.get_world_size(pg)
+    return pg, size, dist.get_rank(pg) if group is not None else w.rank
+
+
+def backend_of(group: Group) -> str:
+    pg, size, _ = group_info(group)
+    return "none" if pg is None or size == 1 else str(dist.get_backend(pg))
+
+
+def _global(pg: dist.ProcessGroup, group: Group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(pg, rank)
+
+
+def _check(name: str, backend: str, *tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{name}: tensors are on different devices "
+            f"({', '.join(sorted(map(str, devices)))}); move them to one device first"
+        )
+    if backend == "nccl" and any(t.device.type != "cuda" for t in tensors):
+        raise ValueError(f"{name}: backend nccl needs CUDA tensors; move them to world().device")
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"{name}: tensors have different dtypes ({dtypes}); cast them to one dtype")
+
+
+def _check_in_order(name: str, pg: dist.ProcessGroup, size: int, t: torch.Tensor) -> None:
+    global _debug_seq
+    _debug_seq += 1
+    mine = torch.tensor([_debug_seq, zlib.crc32(name.encode()), t.numel()], dtype=torch.int64,
+                        device=t.device)
+    every = torch.empty(size * 3, dtype=torch.int64, device=t.device)
+    _all_gather_single(every, mine, group=pg)
+    rows = every.view(size, 3).tolist()
+    if any(row != rows[0] for row in rows):
+        raise CollectiveMismatchError(
+            f"collective mismatch at '{name}' (call #{_debug_seq} here): ranks disagree on "
+            "(call number, op, numel): "
+            + "; ".join(f"rank {r}: {tuple(row)}" for r, row in enumerate(rows))
+            + ". Every rank must issue the same collectives in the same order."
+        )
+
+
+def _launch(name: str, group: Group, tensors: Sequence[torch.Tensor], nbytes: int,
+            call: Callable[[dist.ProcessGroup], Any], async_op: bool, result: Any,
+            finish: Callable[[], None] | None = None) -> Handle | None:
+    """Run ``call`` on the group, or return None when the group is a world of one."""
+    pg, size, _ = group_info(group)
+    if pg is None or size == 1:
+        return None
+    _check(name, str(dist.get_backend(pg)), *tensors)
+    if _debug:
+        _check_in_order(name, pg, size, tensors[0])
+    stats.record(name, nbytes, size)
+    work = call(pg)
+    works = work if isinstance(work, list) else ([work] if work is not None else [])
+    handle = Handle(result, works, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
+    def finish() -> None:
+        tensor.div_(size)
+
+    return finish
+
+
+def _chunks(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    m = t.shape[0] // size
+    return [t.narrow(0, r * m, m) for r in range(size)]
+
+
+def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", *, group: Group = None,
+               async_op: bool = False) -> Handle:
+    """Reduce ``tensor`` across the group, result on every rank (in place)."""
+    top = _torch_op(op)
+    _, size, _ = group_info(group)
+    finish = _divider(tensor, size) if op == "mean" else None
+    return _launch(
+        "all_reduce", group, [tensor], _nbytes(tensor),
+        lambda pg: dist.all_reduce(tensor, top, group=pg, async_op=True), async_op, tensor, finish,
+    ) or Handle(tensor)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, *, group: Group = None,
+              async_op: bool = False) -> Handle:
+    """Copy ``tensor`` from group rank ``src`` to every rank (in place)."""
+    return _launch(
+        "broadcast", group, [tensor], _nbytes(tensor),
+        lambda pg: dist.broadcast(tensor, _global(pg, group, src), group=pg, async_op=True),
+        async_op, tensor,
+    ) or Handle(tensor)
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", *, group: Group = None,
+           async_op: bool = False) -> Handle:
+    """Reduce onto group rank ``dst``; on other ranks ``tensor`` is left unspecified."""
+    top = _torch_op(op)
+    _, size, rank = group_info(group)
+    finish = _divider(tensor, size) if op == "mean" and rank == dst else None
+    return _launch(
+        "reduce", group, [tensor], _nbytes(tensor),
+        lambda pg: dist.reduce(tensor, _global(pg, group, dst), top, group=pg, async_op=True),
+        async_op, tensor, finish,
+    ) or Handle(tensor)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None,
+               async_op: bool = False, impl: Impl = "auto") -> Handle:
+    """Concatenate every rank's ``input`` along dim 0 into ``output`` (size N x input)."""
+    pg, size, rank = group_info(group)
+    if output.shape[0] != size * input.shape[0] or output.shape[1:] != input.shape[1:]:
+        raise ValueError(
+            f"all_gather: output shape {tuple(output.shape)} must be ({size}*{input.shape[0]}, "
+            f"*{tuple(input.shape[1:])}) for input {tuple(input.shape)} in a group of {size}"
+        )
+    if pg is None or size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle(output)
+    if impl == "auto" and str(dist.get_backend(pg)) == "gloo":
+        chunks = _chunks(output, size)
+        if chunks[rank].data_ptr() != input.data_ptr():
+            chunks[rank].copy_(input)
+
+        def call(pg: dist.ProcessGroup) -> list[Any]:
+            return [dist.broadcast(c, _global(pg, group, r), group=pg, async_op=True)
+                    for r, c in enumerate(chunks)]
+    else:
+        def call(pg: dist.ProcessGroup) -> list[Any]:
+            return [_all_gather_single(output, input, group=pg, async_op=True)]
+    return _launch("all_gather", group, [output, input], _nbytes(output), call, async_op,
+                   output) or Handle(output)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName = "sum", *,
+                   group: Group = None, async_op: bool = False, impl: Impl = "auto",
+                   input_is_scratch: bool = False) -> Handle:
+    """Reduce ``input`` across ranks and keep this rank's dim-0 chunk in ``output``.
+
+    gloo's native reduce_scatter is an all-reduce plus copies; when the caller lets the input
+    be overwritten (``input_is_scratch=True``) ``impl="auto"`` runs a plain all-reduce in place
+    and keeps this rank's chunk, which is cheaper. Otherwise the native collective runs.
+    """
+    top = _torch_op(op)
+    pg, size, rank = group_info(group)
+    if input.shape[0] != size * output.shape[0] or output.shape[1:] != input.shape[1:]:
+        raise ValueError(
+            f"reduce_scatter: input shape {tuple(input.shape)} must be ({size}*{output.shape[0]},"
+            f" *{tuple(output.shape[1:])}) for output {tuple(output.shape)} in a group of {size}"
+        )
+    if pg is None or size == 1:
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return Handle(output)
+    scale = 1.0 / size if op == "mean" else None
+    if impl == "auto" and input_is_scratch and str(dist.get_backend(pg)) == "gloo":
+        scratch = input
+        mine = _chunks(scratch, size)[rank]
+
+        def finish() -> None:
+            if mine.data_ptr() != output.data_ptr():
+                output.copy_(mine)
+            if scale is not None:
+                output.mul_(scale)
+
+        def call(pg: dist.ProcessGroup) -> list[Any]:
+            return [dist.all_reduce(scratch, top, group=pg, async_op=True)]
+    else:
+        def finish() -> None:
+            if scale is not None:
+                output.mul_(scale)
+
+        def call(pg: dist.ProcessGroup) -> list[Any]:
+            return [_reduce_scatter_single(output, input, top, group=pg, async_op=True)]
+    return _launch("reduce_scatter", group, [output, input], _nbytes(input), call, async_op,
+                   output, finish) or Handle(output)
+
+
+def scatter(output: torch.Tensor, inputs: Sequence[torch.Tensor] | None = None, src: int = 0, *,
+            group: Group = None, async_op: bool = False) -> Handle:
+    """Send ``inputs[r]`` from group rank ``src`` into ``output`` on rank r."""
+    pg, size, rank = group_info(group)
+    if rank == src and (inputs is None or len(inputs) != size):
+        raise ValueError(f"scatter: rank {src} (src) must pass a list of {size} tensors")
+    if pg is None or size == 1:
+        assert inputs is not None
+        output.copy_(inputs[0])
+        return Handle(output)
+    send = list(inputs) if rank == src and inputs is not None else None
+    return _launch(
+        "scatter", group, [output, *(send or [])], _nbytes(output) * size,
+        lambda pg: dist.scatter(output, send, _global(pg, group, src), group=pg, async_op=True),
+        async_op, output,
+    ) or Handle(output)
+
+
+def gather(input: torch.Tensor, outputs: Sequence[torch.Tensor] | None = None, dst: int = 0, *,
+           group: Group = None, async_op: bool = False) -> Handle:
+    """Collect every rank's ``input`` into ``outputs`` (N tensors) on group rank ``dst``."""
+    pg, size, rank = group_info(group)
+    if rank == dst and (outputs is None or len(outputs) != size):
+        raise ValueError(f"gather: rank {dst} (dst) must pass a list of {size} tensors")
+    if pg is None or size == 1:
+        assert outputs is not None
+        outputs[0].copy_(input)
+        return Handle(outputs)
+    recv = list(outputs) if rank == dst and outputs is not None else None
+    return _launch(
+        "gather", group, [input, *(recv or [])], _nbytes(input) * size,
+        lambda pg: dist.gather(input, recv, _global(pg, group, dst), group=pg, async_op=True),
+        async_op, outputs,
+    ) or Handle(outputs)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor,
+               output_split_sizes: Sequence[int] | None = None,
+               input_split_sizes: Sequence[int] | None = None, *, group: Group = None,
+               async_op: bool = False) -> Handle:
+    """Rank r sends dim-0 chunk s of ``input`` to rank s, receiving into chunk r of ``output``."""
+    pg, size, _ = group_info(group)
+    if pg is None or size == 1:
+        output.copy_(input)
+        return Handle(output)
+    return _launch(
+        "all_to_all", group, [output, input], _nbytes(input),
+        lambda pg: dist.all_to_all_single(
+            output, input, list(output_split_sizes) if output_split_sizes else None,
+            list(input_split_sizes) if input_split_sizes else None, group=pg, async_op=True),
+        async_op, output,
+    ) or Handle(output)
+
+
+def barrier(*, group: Group = None, async_op: bool = False) -> Handle:
+    """Wait until every rank of the group has reached this call."""
+    pg, size, _ = group_info(group)
+    if pg is None or size == 1:
+        return Handle(None)
+    stats.record("barrier", 0, size)
+    work = dist.barrier(group=pg, async_op=True)
+    handle = Handle(None, [work])
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def broadcast_object(obj: Any, src: int = 0, *, group: Group = None) -> Any:
+    """Send a picklable object from group rank ``src``; every rank returns it."""
+    pg, size, _ = group_info(group)
+    if pg is None or size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_global(pg, group, src), group=pg)
+    return box[0]
+
+
+def all_gather_object(obj: Any, *, group: Group = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in group-rank order."""
+    pg, size, _ = group_info(group)
+    if pg is None or size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=pg)
+    return out

@@ -1,0 +1,1 @@
+"""Runnable demos shipped with the package (``metadist demo``)."""

@@ -1,0 +1,307 @@
+"""In-process spawn: run a function on N local ranks, return their results in rank order.
+
+A failing rank is reported by the parent, with its number and traceback, as soon as its
+message arrives; the other ranks (often blocked in a collective with the dead one) are killed.
+A rank that hangs past the timeout has its Python stack dumped (faulthandler) before it is
+killed, and the error names it. Children die with the parent (``PR_SET_PDEATHSIG`` on Linux
+plus a watchdog), so no process outlives a crashed or interrupted caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, NoReturn
+
+from metadist.errors import LaunchTimeoutError, MetadistError, RankFailedError
+from metadist.runtime.env import LOOPBACK
+
+_GRACE_S = 0.3  # after a first failure, how long to collect the other ranks' errors
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class _Spec:
+    rank: int
+    world_size: int
+    local_world_size: int
+    port: int
+    backend: str | None
+    timeout: float
+    threads: int
+    parent_pid: int
+    stack_file: str
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(1.0)
+
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=watch, name="metadist-parent-watch", daemon=True).start()
+
+
+def _describe(exc: BaseException) -> tuple[str, str, str, str]:
+    return ("error", type(exc).__name__, str(exc), traceback.format_exc())
+
+
+def _worker(spec: _Spec, conn: Connection) -> None:
+    """Child entry: join the process group, then run jobs sent by the parent until told to stop."""
+    _die_with_parent(spec.parent_pid)
+    with open(spec.stack_file, "w") as stack_out:
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+        for key in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
+            del os.environ[key]
+        node = spec.rank // spec.local_world_size
+        os.environ.update(
+            RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size),
+            LOCAL_RANK=str(spec.rank % spec.local_world_size),
+            LOCAL_WORLD_SIZE=str(spec.local_world_size), GROUP_RANK=str(node),
+            GROUP_WORLD_SIZE=str(spec.world_size // spec.local_world_size),
+            MASTER_ADDR=LOOPBACK, MASTER_PORT=str(spec.port), METADIST_LAUNCHER="launch",
+        )
+        import torch
+
+        from metadist.runtime import world
+
+        torch.set_num_threads(spec.threads)
+        world.forget_inherited()
+        try:
+            world.init(spec.backend, timeout=spec.timeout)
+            conn.send(("ready", None))
+        except BaseException as exc:
+            conn.send(_describe(exc))
+            return
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "stop":
+                break
+            _, fn, args, kwargs = message
+            try:
+                reply: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+            except BaseException as exc:
+                reply = _describe(exc)
+            try:
+                conn.send(reply)
+            except Exception as exc:  # e.g. an unpicklable return value
+                conn.send(("error", type(exc).__name__,
+                           f"the return value of rank {spec.rank} could not be sent back: {exc}",
+                           traceback.format_exc()))
+        world.shutdown()
+
+
+def _pick_start_method(fn: Callable[..., Any] | None, requested: str | None) -> str:
+    if requested is not None:
+        return requested
+    main = sys.modules.get("__main__")
+    if fn is not None and getattr(fn, "__module__", None) == "__main__" and not getattr(
+        main, "__file__", None
+    ):
+        # Defined in a notebook or REPL: a spawned child cannot import it, a forked one has it.
+        return "fork"
+    return "spawn"
+
+
+class RankPool:
+    """N long-lived local ranks that have joined one process group and run jobs on request.
+
+    ``launch`` uses a pool for one job; test suites keep pools alive across many jobs to pay
+    the process start-up once. A job that fails or hangs closes the pool.
+    """
+
+    def __init__(self, nprocs: int, *, backend: str | None = None, nnodes: int = 1,
+                 timeout: float = 300.0, start_method: str | None = None,
+                 threads: int | None = None, fn_hint: Callable[..., Any] | None = None) -> None:
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        if nnodes < 1 or nprocs % nnodes:
+            raise ValueError(f"nprocs ({nprocs}) must be a multiple of nnodes ({nnodes})")
+        method = _pick_start_method(fn_hint, start_method)
+        if method == "fork":
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                raise MetadistError("cannot fork ranks from a process that already joined a "
+                                    "process group; call metadist.shutdown() first or use spawn")
+        self.nprocs = nprocs
+        self.timeout = timeout
+        ctx: Any = mp.get_context(method)
+        port = free_port()
+        threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+        self._stack_dir = tempfile.TemporaryDirectory(prefix="metadist-stacks-")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        self._closed = False
+        for rank in range(nprocs):
+            spec = _Spec(rank, nprocs, nprocs // nnodes, port, backend, timeout, threads,
+                         os.getpid(), os.path.join(self._stack_dir.name, f"rank{rank}.txt"))
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_worker, args=(spec, child_end), name=f"metadist-rank{rank}")
+            proc.start()
+            child_end.close()
+            self._conns.append(parent_end)
+            self._procs.append(proc)
+        self._collect("ready", timeout)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+            kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if self._closed:
+            raise MetadistError("this RankPool was closed (a job failed or it was shut down); "
+                                "create a new one")
+        for conn in self._conns:
+            conn.send(("run", fn, tuple(args), dict(kwargs or {})))
+        return self._collect("ok", self.timeout if timeout is None else timeout)
+
+    def _collect(self, expected: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * self.nprocs
+        pending = set(range(self.nprocs))
+        failures: list[tuple[int, tuple[Any, ...]]] = []
+        fail_deadline: float | None = None
+        while pending:
+            limit = deadline if fail_deadline is None else min(deadline, fail_deadline)
+            waitables: list[Any] = [self._conns[r] for r in pending]
+            waitables += [self._procs[r].sentinel for r in pending]
+            ready = wait(waitables, timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                if failures:
+                    break
+                self._timeout(sorted(pending), timeout)
+            for rank in sorted(pending):
+                message = self._receive(rank, ready)
+                if message is None:
+                    continue
+                pending.discard(rank)
+                if message[0] == expected:
+                    results[rank] = message[1]
+                else:
+                    failures.append((rank, message))
+                    fail_deadline = fail_deadline or time.monotonic() + _GRACE_S
+        if failures:
+            self.close(force=True)
+            rank, (_, exc_type, text, tb) = failures[0]
+            raise RankFailedError(rank, exc_type, text, tb)
+        return results
+
+    def _receive(self, rank: int, ready: list[Any]) -> tuple[Any, ...] | None:
+        conn, proc = self._conns[rank], self._procs[rank]
+        if conn in ready or conn.poll():
+            try:
+                message: tuple[Any, ...] = conn.recv()
+                return message
+            except (EOFError, OSError):
+                pass
+        if proc.sentinel in ready or not proc.is_alive():
+            proc.join(0.1)
+            code = proc.exitcode
+            how = (f"killed by signal {-code}" if code is not None and code < 0
+                   else f"exit code {code}")
+            return ("error", "ProcessExited", f"rank {rank} exited unexpectedly ({how})", "")
+        return None
+
+    def _timeout(self, ranks: list[int], timeout: float) -> NoReturn:
+        for rank in ranks:
+            pid = self._procs[rank].pid
+            if pid is not None and self._procs[rank].is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        stacks = {}
+        for rank in ranks:
+            try:
+                with open(os.path.join(self._stack_dir.name, f"rank{rank}.txt")) as f:
+                    stacks[rank] = f.read()
+            except OSError:
+                stacks[rank] = ""
+        self.close(force=True)
+        raise LaunchTimeoutError(ranks, timeout, stacks)
+
+    def close(self, force: bool = False) -> None:
+        """Stop every rank; ``force`` kills without asking them to leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.send(("stop",))
+            for proc in self._procs:
+                proc.join(10.0)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self._procs:
+            proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        self._stack_dir.cleanup()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.close(force=True)
+
+
+def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
+           kwargs: dict[str, Any] | None = None, *, backend: str | None = None,
+           timeout: float = 300.0, nnodes: int = 1, start_method: str | None = None,
+           threads: int | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return results in rank order.
+
+    Each rank calls :func:`metadist.init` first, on a free loopback port. ``nnodes`` splits
+    the ranks into simulated nodes (node-local and cross-node groups behave as on a cluster).
+    ``threads`` sets torch's intra-op threads per rank (default: cores / nprocs).
+
+    Raises:
+        RankFailedError: a rank raised; it names the rank and carries its traceback.
+        LaunchTimeoutError: ranks were still running after ``timeout`` seconds.
+    """
+    with RankPool(nprocs, backend=backend, nnodes=nnodes, timeout=timeout,
+                  start_method=start_method, threads=threads, fn_hint=fn) as pool:
+        return pool.run(fn, args, kwargs, timeout)

@@ -1,0 +1,274 @@
+"""Start and stop the process group; answer "who am I" with a frozen :class:`World`."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+import torch.distributed as dist
+
+from metadist.errors import NotInitializedError
+from metadist.runtime import env as launch_env
+
+BACKENDS = ("gloo", "nccl", "mpi")
+
+
+class SelfGroup:
+    """A group that holds only this rank: every collective on it is the identity.
+
+    Used where a topology degenerates, e.g. the cross-node group of a one-node job, so callers
+    never special-case it and no socket is opened for it.
+    """
+
+    _instance: SelfGroup | None = None
+
+    def __new__(cls) -> SelfGroup:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "SELF"
+
+
+SELF = SelfGroup()
+Group: TypeAlias = "dist.ProcessGroup | SelfGroup | None"
+"""A communication group: a torch ProcessGroup, :data:`SELF`, or ``None`` for the whole world."""
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job. Immutable: re-read it with :func:`metadist.world`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    backend: str
+    device: torch.device
+    launcher: str
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass
+class _Runtime:
+    world: World
+    owns_group: bool
+    node_group: Group
+    cross_node_group: Group
+
+
+_lock = threading.Lock()
+_runtime: _Runtime | None = None
+
+
+def _timeout(value: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    if value is None or isinstance(value, datetime.timedelta):
+        return value
+    if value <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {value}")
+    return datetime.timedelta(seconds=float(value))
+
+
+def _gpus_for_every_local_rank(local_world_size: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+
+
+def _choose_backend(requested: str | None, local_world_size: int) -> str:
+    match requested:
+        case None | "auto":
+            return "nccl" if _gpus_for_every_local_rank(local_world_size) else "gloo"
+        case "nccl":
+            if not torch.cuda.is_available():
+                raise ValueError("backend 'nccl' needs CUDA GPUs and none is visible; use 'gloo'")
+            return "nccl"
+        case "gloo" | "mpi":
+            return requested
+        case _:
+            raise ValueError(
+                f"backend {requested!r} is not known; choose one of: auto, {', '.join(BACKENDS)}"
+            )
+
+
+def _choose_device(requested: str | torch.device | None, backend: str, local_rank: int,
+                   local_world_size: int) -> torch.device:
+    if requested is not None:
+        device = torch.device(requested)
+        if str(device) == "cuda":  # no index given: this rank's own GPU
+            device = torch.device("cuda", local_rank)
+    elif backend == "nccl" or _gpus_for_every_local_rank(local_world_size):
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if device.type == "cuda":
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"local rank {local_rank} wants {device} but only {torch.cuda.device_count()} "
+                "GPU(s) are visible; start fewer processes per node or pass device='cpu'"
+            )
+        torch.cuda.set_device(device)
+    return device
+
+
+def _hybrid_groups(world: World) -> tuple[Group, Group]:
+    """Node-local and cross-node groups; collective: every rank builds every group in order."""
+    if world.world_size == 1:
+        return None, SELF
+    if world.num_nodes == 1:
+        return None, SELF
+    per_node = world.local_world_size
+    if world.world_size != world.num_nodes * per_node or (
+        world.rank != world.node_rank * per_node + world.local_rank
+    ):
+        # Heterogeneous or non node-major placement: hybrid sharding cannot use node groups.
+        return None, None
+    node_group: Group = None
+    cross_group: Group = None
+    for node in range(world.num_nodes):
+        group = dist.new_group(list(range(node * per_node, (node + 1) * per_node)))
+        if node == world.node_rank:
+            node_group = group
+    for local in range(per_node):
+        group = dist.new_group(list(range(local, world.world_size, per_node)))
+        if local == world.local_rank:
+            cross_group = group
+    return node_group, cross_group
+
+
+def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None, *,
+         device: str | torch.device | None = None) -> World:
+    """Join the job this process was launched into and return its :class:`World`.
+
+    Idempotent: later calls return the same world. Adopts a process group the user already
+    initialised. A plain single process (or any world of one) opens no sockets.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``None``/``"auto"`` (nccl when every
+            local rank has its own GPU, else gloo).
+        timeout: seconds (or a timedelta) a collective may wait before failing.
+        device: override the device (default: ``cuda:<local_rank>`` with GPUs, else cpu).
+    """
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            return _runtime.world
+        detected = launch_env.detect()
+        if dist.is_available() and dist.is_initialized():
+            _runtime = _adopt(detected, device)
+            return _runtime.world
+        chosen = _choose_backend(backend, detected.local_world_size)
+        if detected.world_size == 1:
+            dev = _choose_device(device, chosen, 0, 1)
+            world = World(0, 1, 0, 1, 0, 1, "none", dev, detected.launcher)
+            _runtime = _Runtime(world, False, None, SELF)
+            return world
+        if not detected.master_addr:
+            raise launch_env.LaunchEnvError(
+                f"{detected.launcher} job spans {detected.num_nodes} nodes but MASTER_ADDR is not "
+                "set; export MASTER_ADDR=<address of the node running rank 0> (and MASTER_PORT) "
+                "for every rank"
+            )
+        dev = _choose_device(device, chosen, detected.local_rank, detected.local_world_size)
+        kwargs: dict[str, Any] = {"backend": chosen}
+        if (value := _timeout(timeout)) is not None:
+            kwargs["timeout"] = value
+        if chosen == "nccl":
+            kwargs["device_id"] = dev
+        if detected.use_env_init:
+            # Join torchrun's agent store as a client. The agent keeps that store across worker
+            # restarts, so a prefix per attempt stops a restarted rank from reading the previous
+            # attempt's gloo addresses (a "connection refused" at rendezvous otherwise).
+            client = dist.TCPStore(  # type: ignore[attr-defined]
+                detected.master_addr, detected.master_port, detected.world_size, is_master=False,
+                timeout=kwargs.get("timeout", datetime.timedelta(minutes=5)))
+            store = dist.PrefixStore(  # type: ignore[attr-defined]
+                f"metadist/attempt{detected.attempt}", client)
+            dist.init_process_group(store=store, rank=detected.rank,
+                                    world_size=detected.world_size, **kwargs)
+        else:
+            dist.init_process_group(
+                init_method=f"tcp://{detected.master_addr}:{detected.master_port}",
+                rank=detected.rank, world_size=detected.world_size, **kwargs,
+            )
+        world = World(detected.rank, detected.world_size, detected.local_rank,
+                      detected.local_world_size, detected.node_rank, detected.num_nodes,
+                      chosen, dev, detected.launcher)
+        node_group, cross_group = _hybrid_groups(world)
+        _runtime = _Runtime(world, True, node_group, cross_group)
+        return world
+
+
+def _adopt(detected: launch_env.LaunchEnv, device: str | torch.device | None) -> _Runtime:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    backend = str(dist.get_backend())
+    if detected.rank == rank and detected.world_size == size:
+        local_rank, local_size = detected.local_rank, detected.local_world_size
+        node_rank, num_nodes, launcher = detected.node_rank, detected.num_nodes, detected.launcher
+    else:
+        local_rank, local_size, node_rank, num_nodes, launcher = rank, size, 0, 1, "user"
+    dev = _choose_device(device, backend, local_rank, local_size)
+    world = World(rank, size, local_rank, local_size, node_rank, num_nodes, backend, dev, launcher)
+    node_group, cross_group = _hybrid_groups(world)
+    return _Runtime(world, False, node_group, cross_group)
+
+
+def forget_inherited() -> None:
+    """Drop a runtime copied into a forked child: the child must join its own job."""
+    global _runtime
+    _runtime = None
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def _require() -> _Runtime:
+    if _runtime is None:
+        raise NotInitializedError(
+            "metadist is not initialised in this process; call metadist.init() first "
+            "(metadist.launch and `metadist run` do it for you)"
+        )
+    return _runtime
+
+
+def world() -> World:
+    """The :class:`World` of this process (after :func:`init`)."""
+    return _require().world
+
+
+def node_group() -> Group:
+    """The ranks on this node (``None`` means the whole world, on a one-node job)."""
+    return _require().node_group
+
+
+def cross_node_group() -> Group:
+    """The ranks with this local rank on every node (:data:`SELF` on a one-node job)."""
+    runtime = _require()
+    if runtime.world.num_nodes > 1 and runtime.cross_node_group is None:
+        raise ValueError(
+            "cross-node groups need the same number of ranks on every node, placed node-major "
+            "(rank = node_rank * local_world_size + local_rank); launch with an even layout"
+        )
+    return runtime.cross_node_group
+
+
+def shutdown() -> None:
+    """Leave the job: destroy the process group metadist created. Safe to call twice."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+        if runtime is not None and runtime.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+

@@ -1,0 +1,66 @@
+"""Test helpers: run a body on N real ranks (gloo), fail fast on hangs, name the rank.
+
+Pools of ranks are kept per (world size, nodes, backend) and reused across calls, so a test
+suite pays process start-up once per layout; a body that fails or hangs closes its pool and
+the next call starts a fresh one. Bodies must be importable (module-level functions) and must
+not call :func:`metadist.shutdown`.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from metadist.comm import ops
+from metadist.runtime.spawn import RankPool
+
+_pools: dict[tuple[int, int, str | None, int], RankPool] = {}
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                 kwargs: dict[str, Any] | None = None, *, timeout: float = 120.0,
+                 nnodes: int = 1, backend: str | None = "gloo", threads: int = 1) -> list[Any]:
+    """``fn(*args, **kwargs)`` on ``world_size`` ranks; results in rank order.
+
+    Raises :class:`~metadist.errors.RankFailedError` (with the rank's traceback) or
+    :class:`~metadist.errors.LaunchTimeoutError` (naming the hung ranks, with their stacks).
+    """
+    key = (world_size, nnodes, backend, threads)
+    pool = _pools.get(key)
+    if pool is None or pool.closed:
+        pool = RankPool(world_size, backend=backend, nnodes=nnodes, timeout=timeout,
+                        threads=threads)
+        _pools[key] = pool
+    return pool.run(fn, args, kwargs, timeout)
+
+
+def close_pools() -> None:
+    """Stop every cached pool (registered to run at interpreter exit)."""
+    while _pools:
+        _, pool = _pools.popitem()
+        pool.close()
+
+
+atexit.register(close_pools)
+
+
+def gather_from_ranks(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's copy of ``tensor`` (same shape everywhere), in rank order."""
+    _, size, _ = ops.group_info(None)
+    flat = tensor.detach().reshape(-1).contiguous()
+    out = flat.new_empty(size * flat.numel())
+    ops.all_gather(out, flat)
+    return [piece.view_as(tensor) for piece in out.chunk(size)] if flat.numel() else [tensor] * size
+
+
+def assert_same_on_all_ranks(tensor: torch.Tensor, what: str = "tensor") -> None:
+    """Raise AssertionError unless every rank holds exactly this tensor."""
+    copies = gather_from_ranks(tensor)
+    for rank, copy in enumerate(copies):
+        if not torch.equal(copy, copies[0]):
+            diff = (copy.float() - copies[0].float()).abs().max().item()
+            raise AssertionError(f"{what} differs between rank 0 and rank {rank} "
+                                 f"(max abs difference {diff:.3g})")

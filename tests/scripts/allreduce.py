@@ -1,0 +1,14 @@
+"""All-reduce rank + 1 and print the result with the detected world (launcher tests)."""
+
+import torch
+
+import metadist
+from metadist import comm
+
+w = metadist.init()
+t = torch.tensor([float(w.rank + 1)])
+comm.all_reduce(t)
+print(f"rank={w.rank} world={w.world_size} node={w.node_rank}/{w.num_nodes} "
+      f"local={w.local_rank}/{w.local_world_size} launcher={w.launcher} result={int(t.item())}",
+      flush=True)
+metadist.shutdown()

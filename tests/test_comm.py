@@ -1,0 +1,201 @@
+"""The collectives, fused collectives, counters and error messages on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import metadist
+from metadist import comm
+from metadist.comm import stats
+from metadist.testing import run_on_ranks
+
+SIZES = [1, 2, 3, 4]
+
+
+def _every_collective(impl: str) -> dict[str, list[float]]:
+    w = metadist.world()
+    r, n = w.rank, w.world_size
+    out: dict[str, list[float]] = {}
+    for op in ("sum", "mean", "max", "min", "prod"):
+        t = torch.tensor([r + 1.0, 2.0 * (r + 1)])
+        comm.all_reduce(t, op)
+        out[f"all_reduce/{op}"] = t.tolist()
+    t = torch.tensor([float(r)] * 3)
+    comm.broadcast(t, src=n - 1)
+    out["broadcast"] = t.tolist()
+    t = torch.tensor([r + 1.0])
+    comm.reduce(t, dst=0, op="sum")
+    out["reduce"] = t.tolist() if r == 0 else []
+    gathered = torch.empty(2 * n)
+    comm.all_gather(gathered, torch.tensor([r, 10.0 + r]), impl=impl)  # type: ignore[arg-type]
+    out["all_gather"] = gathered.tolist()
+    piece = torch.empty(2)
+    comm.reduce_scatter(piece, torch.arange(2.0 * n) + r, "sum", impl=impl)  # type: ignore[arg-type]
+    out["reduce_scatter"] = piece.tolist()
+    piece = torch.empty(1)
+    comm.reduce_scatter(piece, torch.arange(1.0 * n) * (r + 1), "mean", impl=impl)  # type: ignore[arg-type]
+    out["reduce_scatter/mean"] = piece.tolist()
+    got = torch.empty(1)
+    comm.scatter(got, [torch.tensor([100.0 + i]) for i in range(n)] if r == 0 else None, src=0)
+    out["scatter"] = got.tolist()
+    slots = [torch.empty(1) for _ in range(n)] if r == n - 1 else None
+    comm.gather(torch.tensor([r * 3.0]), slots, dst=n - 1)
+    out["gather"] = [s.item() for s in slots] if slots else []
+    received = torch.empty(n)
+    comm.all_to_all(received, torch.tensor([10.0 * r + s for s in range(n)]))
+    out["all_to_all"] = received.tolist()
+    comm.barrier()
+    out["object"] = comm.all_gather_object({"rank": r})  # type: ignore[assignment]
+    out["broadcast_object"] = [comm.broadcast_object(r * 7 if r == 1 % n else None, src=1 % n)]
+    return out
+
+
+def _expected(r: int, n: int) -> dict[str, list[float]]:
+    ranks = range(n)
+    prod1 = 1.0
+    prod2 = 1.0
+    for k in ranks:
+        prod1 *= k + 1
+        prod2 *= 2 * (k + 1)
+    s1 = sum(k + 1.0 for k in ranks)
+    return {
+        "all_reduce/sum": [s1, 2 * s1],
+        "all_reduce/mean": [s1 / n, 2 * s1 / n],
+        "all_reduce/max": [float(n), 2.0 * n],
+        "all_reduce/min": [1.0, 2.0],
+        "all_reduce/prod": [prod1, prod2],
+        "broadcast": [float(n - 1)] * 3,
+        "reduce": [s1] if r == 0 else [],
+        "all_gather": [v for k in ranks for v in (float(k), 10.0 + k)],
+        "reduce_scatter": [sum(2.0 * r + j + k for k in ranks) for j in range(2)],
+        "reduce_scatter/mean": [sum(r * (k + 1.0) for k in ranks) / n],
+        "scatter": [100.0 + r],
+        "gather": [k * 3.0 for k in ranks] if r == n - 1 else [],
+        "all_to_all": [10.0 * k + r for k in ranks],
+        "object": [{"rank": k} for k in ranks],  # type: ignore[dict-item]
+        "broadcast_object": [7 if n > 1 else 0],
+    }
+
+
+@pytest.mark.parametrize(("n", "impl"), [(1, "auto")] + [(n, i) for n in SIZES[1:]
+                                                           for i in ("auto", "native")])
+def test_every_collective_matches_its_definition(n: int, impl: str) -> None:
+    for r, got in enumerate(run_on_ranks(_every_collective, n, args=(impl,))):
+        want = _expected(r, n)
+        assert got.keys() == want.keys()
+        for key in want:
+            # Small integers in float32: every expected value is exact.
+            assert got[key] == want[key], f"{key} on rank {r} of {n}"
+
+
+def _async_handles() -> tuple[list[float], bool, list[float]]:
+    r = metadist.world().rank
+    a = torch.full((4,), float(r))
+    b = torch.full((2,), 1.0)
+    ha = comm.all_reduce(a, "mean", async_op=True)
+    hb = comm.all_reduce(b, "sum", async_op=True)
+    result = ha.wait()
+    hb.wait()
+    hb.wait()  # idempotent
+    return result.tolist(), hb.is_completed(), b.tolist()
+
+
+def test_async_handles_finish_on_wait() -> None:
+    for got in run_on_ranks(_async_handles, 3):
+        assert got == ([1.0] * 4, True, [3.0, 3.0])
+
+
+def _fused_vs_plain() -> tuple[bool, int, int]:
+    r = metadist.world().rank
+    g = torch.Generator().manual_seed(r)
+    tensors = [torch.randn(s, generator=g) for s in [(3,), (2, 5), (7,), (1,)]]
+    tensors += [torch.randn(4, generator=g).double(), torch.arange(6).view(2, 3) + r]
+    tensors.append(torch.randn(4, 6, generator=g).t())  # non-contiguous
+    plain = [t.clone() for t in tensors]
+    for t in plain:
+        c = t.contiguous()
+        comm.all_reduce(c)
+        t.copy_(c)
+    with stats.counting() as counted:
+        comm.fused_all_reduce(tensors, bucket_cap_mb=64 / 2**20)  # 64-byte buckets
+    with stats.counting() as one_bucket:
+        comm.fused_broadcast([t.clone() for t in tensors], src=0)
+    # gloo's ring may chunk a fused buffer differently, so sums can differ in the last bit.
+    same = all(a.dtype == b.dtype and torch.allclose(a.double(), b.double(), rtol=1e-6, atol=1e-6)
+               for a, b in zip(tensors, plain, strict=True))
+    return same, counted.calls, one_bucket.calls
+
+
+def test_fused_equals_one_by_one_and_groups_dtypes() -> None:
+    for same, small_cap_calls, calls in run_on_ranks(_fused_vs_plain, 3):
+        assert same
+        assert small_cap_calls > calls
+        assert calls == 3  # float32, float64 and int64 buckets
+
+
+def test_bucket_plan_respects_cap_and_dtype() -> None:
+    ts = [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(100),
+          torch.zeros(1)]
+    assert comm.plan_buckets(ts, cap_bytes=32) == [[0, 1], [2], [3], [4]]
+    assert comm.plan_buckets(ts, cap_bytes=10_000) == [[0, 1, 3, 4], [2]]
+    with pytest.raises(ValueError, match="positive"):
+        comm.plan_buckets(ts, cap_bytes=0)
+
+
+def _counted() -> tuple[int, int, float, int]:
+    n = metadist.world().world_size
+    stats.reset()
+    comm.all_reduce(torch.zeros(256))
+    comm.all_reduce(torch.zeros(256))
+    out = torch.empty(8 * n)
+    comm.all_gather(out, torch.zeros(8))
+    snap = stats.snapshot()
+    ar = snap.ops["all_reduce"]
+    return ar.calls, ar.bytes, ar.wire_bytes, snap.ops["all_gather"].bytes
+
+
+def test_counters_record_calls_and_ring_bytes() -> None:
+    for calls, nbytes, wire, gathered in run_on_ranks(_counted, 4):
+        assert (calls, nbytes, gathered) == (2, 2 * 1024, 8 * 4 * 4)
+        assert wire == pytest.approx(2 * 2 * 1024 * 3 / 4)
+
+
+def _errors() -> list[str]:
+    messages = []
+    for call in (
+        lambda: comm.all_reduce(torch.ones(1), "avg"),  # type: ignore[arg-type]
+        lambda: comm.all_gather(torch.empty(3), torch.ones(1)),
+        lambda: comm.reduce_scatter(torch.empty(2), torch.ones(3)),
+        lambda: comm.all_gather(torch.empty(2, device="meta"), torch.ones(1)),
+        lambda: comm.functional.all_reduce(torch.ones(1), "max"),  # type: ignore[arg-type]
+    ):
+        try:
+            call()
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_user_errors_say_what_to_do() -> None:
+    messages = run_on_ranks(_errors, 2)[0]
+    assert "choose one of: sum, mean, max, min, prod" in messages[0]
+    assert "must be (2*1" in messages[1]
+    assert "must be (2*2" in messages[2]
+    assert "different devices" in messages[3]
+    assert "choose sum or mean" in messages[4]
+
+
+def _skip_a_collective() -> None:
+    comm.set_debug(True)
+    try:
+        if metadist.world().rank != 1:
+            comm.all_reduce(torch.ones(3))
+        comm.broadcast(torch.ones(3))
+    finally:
+        comm.set_debug(False)
+
+
+def test_debug_mode_turns_a_skipped_collective_into_an_error() -> None:
+    with pytest.raises(metadist.RankFailedError, match="collective mismatch"):
+        run_on_ranks(_skip_a_collective, 2, timeout=60)

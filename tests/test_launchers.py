@@ -35,10 +35,10 @@ def _metadist(*args: str, timeout: float = 120, **env: str) -> subprocess.Comple
 
 def _results(stdout: str) -> dict[int, dict[str, str]]:
     rows = {}
-    for line in stdout.splitlines():
-        if line.startswith("rank="):
-            fields = dict(item.split("=", 1) for item in line.split())
-            rows[int(fields["rank"])] = fields
+    for line in re.findall(r"rank=\d+ world=\S+ node=\S+ local=\S+ launcher=\S+ result=\d+",
+                           stdout):
+        fields = dict(item.split("=", 1) for item in line.split())
+        rows[int(fields["rank"])] = fields
     return rows
 
 

@@ -1,5 +1,7 @@
 """All-reduce rank + 1 and print the result with the detected world (launcher tests)."""
 
+import os
+
 import torch
 
 import metadist
@@ -8,7 +10,7 @@ from metadist import comm
 w = metadist.init()
 t = torch.tensor([float(w.rank + 1)])
 comm.all_reduce(t)
-print(f"rank={w.rank} world={w.world_size} node={w.node_rank}/{w.num_nodes} "
-      f"local={w.local_rank}/{w.local_world_size} launcher={w.launcher} result={int(t.item())}",
-      flush=True)
+line = (f"rank={w.rank} world={w.world_size} node={w.node_rank}/{w.num_nodes} "
+        f"local={w.local_rank}/{w.local_world_size} launcher={w.launcher} result={int(t.item())}")
+os.write(1, (line + "\n").encode())  # one write: lines of two ranks never interleave
 metadist.shutdown()

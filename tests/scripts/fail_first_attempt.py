@@ -9,5 +9,5 @@ attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if w.rank == 1 and (attempt == 0 or os.environ.get("ALWAYS_FAIL")):
     raise ValueError(f"deliberate failure on rank 1, attempt {attempt}")
 metadist.barrier()
-print(f"rank={w.rank} survived attempt={attempt}", flush=True)
+os.write(1, f"rank={w.rank} survived attempt={attempt}\n".encode())
 metadist.shutdown()

@@ -29,6 +29,7 @@ from metadist.runtime.world import (
     shutdown,
     world,
 )
+from metadist.strategies import DistributedModule, Strategy, SyncBatchNorm, strategy
 
 __version__ = "0.1.0"
 
@@ -41,11 +42,14 @@ def barrier() -> None:
 __all__ = [
     "SELF",
     "CollectiveMismatchError",
+    "DistributedModule",
     "LaunchTimeoutError",
     "MetadistError",
     "NotInitializedError",
     "RankFailedError",
     "RankPool",
+    "Strategy",
+    "SyncBatchNorm",
     "World",
     "__version__",
     "barrier",
@@ -62,5 +66,6 @@ __all__ = [
     "rank_non_zero_only",
     "rank_zero_only",
     "shutdown",
+    "strategy",
     "world",
 ]

@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -43,18 +44,14 @@ def _run(ns: argparse.Namespace) -> int:
     return 0
 
 
-DEMOS = ("collectives",)
+DEMOS = ("digits", "collectives")
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    match ns.name:
-        case "collectives":
-            from metadist.demos import collectives as module
-        case _:
-            raise SystemExit(f"demo {ns.name!r} is not known; choose one of: {', '.join(DEMOS)}")
-    script = module.__file__
-    assert script is not None
-    run = build_parser().parse_args(["run", "--nproc", str(ns.nproc), script, *ns.demo_args])
+    if ns.name not in DEMOS:
+        raise SystemExit(f"demo {ns.name!r} is not known; choose one of: {', '.join(DEMOS)}")
+    script = str(Path(__file__).parent / "demos" / f"{ns.name}.py")
+    run = build_parser().parse_args(["run", "--nproc", str(ns.nproc), script, *ns.extra])
     return _run(run)
 
 
@@ -105,11 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_run)
 
-    demo = sub.add_parser("demo", help="run a demo on N processes through `metadist run`")
-    demo.add_argument("name", nargs="?", default=DEMOS[0], help=f"one of: {', '.join(DEMOS)}")
+    demo = sub.add_parser(
+        "demo", help="run a demo on N processes through `metadist run`",
+        usage=f"metadist demo [{'|'.join(DEMOS)}] [--nproc N] [demo options, e.g. --strategy ddp]")
     demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER, help="arguments for the demo")
-    demo.set_defaults(handler=_demo)
+    demo.set_defaults(handler=_demo)  # other options (--strategy, --epochs...) go to the demo
 
     env = sub.add_parser("env", help="show the detected launcher, world, backend and versions")
     env.set_defaults(handler=_env)
@@ -117,7 +114,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if args[:1] == ["demo"]:
+        # `metadist demo [name] [--nproc N] [anything for the demo, e.g. --strategy zero2]`
+        rest = args[1:]
+        name = rest.pop(0) if rest and not rest[0].startswith("-") else DEMOS[0]
+        ns, extra = parser.parse_known_args(["demo", *rest])
+        ns.name, ns.extra = name, extra
+    else:
+        ns = parser.parse_args(args)
     code: int = ns.handler(ns)
     return code
 

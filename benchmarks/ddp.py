@@ -1,0 +1,139 @@
+"""metadist ddp vs torch DistributedDataParallel vs the no-communication bound.
+
+    python -m benchmarks.ddp [--world 2] [--steps 12] [--workloads mlp,transformer]
+
+All three train identical copies of the model in the same processes, taking turns step by
+step (warm-up discarded, medians). The bound is the same processes stepping locally with no
+collective. Also reports collectives and bytes per step of metadist ddp against the ring
+limit 2 P (N-1)/N, and writes a PNG of the step times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import metadist
+from benchmarks.common import table, timed
+from benchmarks.models import param_count, workload
+from metadist.comm import stats
+
+
+def _stepper(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable,
+             backward: Callable[[torch.Tensor], None]) -> Callable[[], None]:  # type: ignore[type-arg]
+    state = {"i": 0}
+
+    def step() -> None:
+        x, y = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        loss = loss_fn(model(x), y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return step
+
+
+def _body(name: str, steps: int, warmup: int, options: dict[str, float]) -> dict[str, object]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    factory, data, loss_fn = workload(name)
+    batches = data(metadist.world().rank)
+    configs: dict[str, Callable[[], None]] = {}
+
+    local = factory()
+    configs["no-comm bound"] = _stepper(local, torch.optim.Adam(local.parameters(), lr=1e-4),
+                                        batches, loss_fn, lambda t: t.backward())
+    torch_model = factory()
+    ddp = DistributedDataParallel(torch_model)
+    configs["torch DDP"] = _stepper(ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4), batches,
+                                    loss_fn, lambda t: t.backward())
+    ours = factory()
+    strategy = metadist.strategy("ddp", **options)
+    model, opt = strategy.setup(ours, torch.optim.Adam(ours.parameters(), lr=1e-4))
+    configs["metadist ddp"] = _stepper(model, opt, batches, loss_fn, strategy.backward)
+
+    samples: dict[str, list[float]] = {k: [] for k in configs}
+    traffic = None
+    for i in range(warmup + steps):
+        for key, step in configs.items():
+            if key == "metadist ddp" and i == warmup:
+                with stats.counting() as counted:
+                    t = timed(step)
+                traffic = counted
+            else:
+                t = timed(step)
+            if i >= warmup:
+                samples[key].append(t)
+    assert traffic is not None
+    return {"median": {k: statistics.median(v) for k, v in samples.items()},
+            "params": param_count(local), "calls": traffic.calls,
+            "bytes": traffic.ops["all_reduce"].bytes, "wire": traffic.wire_bytes}
+
+
+def _plot(results: dict[str, dict[str, object]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6))
+    axes = axes if len(results) > 1 else [axes]
+    for ax, (name, res) in zip(axes, results.items(), strict=True):
+        medians = res["median"]
+        assert isinstance(medians, dict)
+        keys = list(medians)
+        ax.bar(keys, [medians[k] * 1e3 for k in keys], color=["#999999", "#4c72b0", "#dd8452"])
+        ax.set_title(f"{name} ({res['params'] / 1e6:.1f}M params)")
+        ax.set_ylabel("ms / step (median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--workloads", default="mlp,transformer")
+    ap.add_argument("--plot", default="docs/figures/ddp_step_time.png")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    args = ap.parse_args()
+    results = {}
+    for name in args.workloads.split(","):
+        options = {"bucket_cap_mb": args.bucket_cap_mb}
+        results[name] = metadist.launch(_body, args.world,
+                                        args=(name, args.steps, args.warmup, options),
+                                        threads=1, timeout=1800)[0]
+    n = args.world
+    print(f"## ddp step time, world size {n}, gloo, 1 thread per rank, Adam "
+          f"(medians of {args.steps}, alternating, {args.warmup} warm-up steps discarded)\n")
+    rows = []
+    for name, res in results.items():
+        med = res["median"]
+        bound, torch_ddp, ours = med["no-comm bound"], med["torch DDP"], med["metadist ddp"]
+        rows.append((f"{name} ({res['params'] / 1e6:.1f}M)", bound * 1e3, torch_ddp * 1e3,
+                     ours * 1e3, ours / torch_ddp, torch_ddp / bound, ours / bound))
+    print(table(["workload", "no-comm ms", "torch DDP ms", "metadist ddp ms",
+                 "ours / torch", "torch / bound", "ours / bound"], rows))
+    print()
+    rows = []
+    for name, res in results.items():
+        ring = 2 * res["params"] * 4 * (n - 1) / n
+        rows.append((name, res["calls"], res["bytes"] / 2**20, res["wire"] / 2**20, ring / 2**20,
+                     res["wire"] / ring))
+    print(table(["workload", "collectives / step", "payload MiB", "wire MiB (ring model)",
+                 "ring limit 2P(N-1)/N MiB", "wire / limit"], rows))
+    if args.plot:
+        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+        _plot(results, args.plot)
+        print(f"\nplot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Benchmark workloads: the 25M-parameter MLP of the anchors and a small transformer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def mlp(width: int = 2048, depth: int = 6) -> nn.Module:
+    """depth x (Linear(width, width), GELU) + Linear(width, 10): 25.2M parameters by default."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+class TinyTransformer(nn.Module):
+    """A 4-layer pre-norm encoder language model (d=256, 4 heads, vocab 2048)."""
+
+    def __init__(self, vocab: int = 2048, d: int = 256, layers: int = 4, seq: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(seq, d))
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(
+            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True) for _ in range(layers)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def workload(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], list[Batch]],
+                                  Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """(model factory, batches for a rank, loss) of a named workload."""
+    match name:
+        case "mlp":
+            def data(rank: int) -> list[Batch]:
+                g = torch.Generator().manual_seed(rank)
+                return [(torch.randn(32, 2048, generator=g),
+                         torch.randint(0, 10, (32,), generator=g)) for _ in range(4)]
+
+            return mlp, data, nn.functional.cross_entropy
+        case "transformer":
+            def tokens(rank: int) -> list[Batch]:
+                g = torch.Generator().manual_seed(rank)
+                out = []
+                for _ in range(4):
+                    t = torch.randint(0, 2048, (16, 65), generator=g)
+                    out.append((t[:, :-1], t[:, 1:]))
+                return out
+
+            def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                   target.reshape(-1))
+
+            return TinyTransformer, tokens, lm_loss
+    raise ValueError(f"workload {name!r} is not known; choose one of: mlp, transformer")
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

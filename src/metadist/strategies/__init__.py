@@ -1,0 +1,20 @@
+"""Strategies: one file each, one registry, one small interface (see base.py)."""
+
+from metadist.strategies import ddp, dp, single
+from metadist.strategies.base import Strategy, StrategyConfig, available, register, strategy
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+
+__all__ = [
+    "DistributedModule",
+    "Strategy",
+    "StrategyConfig",
+    "SyncBatchNorm",
+    "available",
+    "convert_sync_batchnorm",
+    "ddp",
+    "dp",
+    "register",
+    "single",
+    "strategy",
+]

@@ -1,0 +1,191 @@
+"""The Strategy interface and the name registry behind ``metadist.strategy(name, **options)``.
+
+A strategy turns a user's module, optimizer and data loader into their distributed versions
+(``setup``) and owns what happens between forward and ``optimizer.step()``: gradient
+synchronisation, accumulation, clipping, metrics. Each strategy lives in its own file with a
+frozen dataclass of options; registering it here makes its name (and aliases) available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+import metadist.runtime.world as _world
+from metadist.comm import functional, ops
+from metadist.comm.ops import ReduceOpName
+from metadist.runtime.world import World
+from metadist.strategies.module import DistributedModule
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+_ALIASES: dict[str, str] = {}
+
+S = TypeVar("S", bound="type[Strategy]")
+
+
+def register(name: str, *aliases: str) -> Callable[[S], S]:
+    """Class decorator: make a strategy available under ``name`` and ``aliases``."""
+    def decorate(cls: S) -> S:
+        cls.name = name
+        _REGISTRY[name] = cls
+        for alias in aliases:
+            _ALIASES[alias] = name
+        return cls
+
+    return decorate
+
+
+_ORDER = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+
+
+def available() -> list[str]:
+    """Every strategy name and alias, from the least to the most sharded."""
+    names = [*_REGISTRY, *_ALIASES]
+    return sorted(names, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
+
+
+def strategy(name: str, **options: Any) -> Strategy:
+    """Build a configured strategy: ``metadist.strategy("ddp", bucket_cap_mb=50)``."""
+    key = _ALIASES.get(name, name)
+    cls = _REGISTRY.get(key)
+    if cls is None:
+        raise ValueError(f"strategy {name!r} is not known; choose one of: {', '.join(available())}")
+    fields = {f.name for f in dataclasses.fields(cls.Config)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"strategy {key!r} has no option(s) {', '.join(map(repr, unknown))}; valid options: "
+            f"{', '.join(sorted(fields)) or '(none)'}"
+        )
+    return cls(cls.Config(**options))
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+    """Options every strategy accepts."""
+
+    #: Convert BatchNorm layers to metadist's cross-rank SyncBatchNorm (CPU and GPU).
+    sync_batchnorm: bool = False
+
+
+class Strategy(ABC):
+    """How a training loop runs on many processes. Build one with :func:`metadist.strategy`."""
+
+    name: ClassVar[str] = "?"
+    Config: ClassVar[type[StrategyConfig]] = StrategyConfig
+
+    def __init__(self, config: StrategyConfig) -> None:
+        self.config = config
+        self._batch_weight: tuple[float, float] | None = None
+
+    # ----- who and where ---------------------------------------------------------------
+    @property
+    def world(self) -> World:
+        """The job's :class:`~metadist.World` (initialises metadist on first use)."""
+        return _world.init()
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.world.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    # ----- setup -------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: Optimizer | None = None
+              ) -> tuple[DistributedModule, Optimizer]:
+        """Move ``model`` to the device, make every rank start from rank 0's weights, wrap it,
+        and adapt ``optimizer`` (same class, hyperparameters and state) to the strategy."""
+        if isinstance(model, DistributedModule):
+            raise ValueError("this model is already set up by a strategy; pass the original "
+                             "module (model.module) to setup a second time")
+        module = self.setup_module(model)
+        if optimizer is None:
+            raise ValueError("setup(model, optimizer) needs the optimizer; for the module alone "
+                             "call strategy.setup_module(model)")
+        return module, self.setup_optimizer(module, optimizer)
+
+    @abstractmethod
+    def setup_module(self, model: nn.Module) -> DistributedModule:
+        """Wrap ``model`` for this strategy."""
+
+    @abstractmethod
+    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+        """Adapt ``optimizer``, built on ``module.module``'s parameters, to this strategy."""
+
+    def setup_dataloader(self, loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any]:
+        """Re-create ``loader`` so each rank reads its share of every global batch."""
+        from metadist.data import distribute_loader
+
+        w = self.world
+        return distribute_loader(loader, rank=w.rank, world_size=w.world_size, seed=seed,
+                                 on_batch=self.set_batch_weight)
+
+    # ----- the step ----------------------------------------------------------------------
+    def set_batch_weight(self, local: float, total: float) -> None:
+        """Weight the next gradient sync by this rank's share of the global batch.
+
+        The distributed loader calls this for every batch, so a ragged last batch still
+        yields the single-process mean; custom loaders may call it themselves.
+        """
+        if total <= 0 or local < 0:
+            raise ValueError(f"batch weight needs 0 <= local and total > 0, got {local}/{total}")
+        self._batch_weight = (float(local), float(total))
+
+    def grad_scale(self) -> float:
+        """Factor applied to this rank's gradients before they are summed across ranks."""
+        if self._batch_weight is None:
+            return 1.0 / self.world.world_size
+        local, total = self._batch_weight
+        return local / total
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()``; plain ``loss.backward()`` works too."""
+        loss.backward(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self, module: DistributedModule) -> Iterator[None]:
+        """Accumulate gradients locally inside the block; the next backward outside syncs."""
+        yield
+
+    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the synchronised gradients to ``max_norm``; returns the global norm."""
+        params = [p for p in module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def all_reduce(self, value: torch.Tensor | float, op: ReduceOpName = "mean") -> torch.Tensor:
+        """Reduce a metric across ranks (returns a new tensor on the strategy's device)."""
+        t = torch.as_tensor(value, device=self.device).detach().clone()
+        if not t.is_floating_point() and op == "mean":
+            t = t.double()
+        ops.all_reduce(t, op)
+        return t
+
+    def sync_grads(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Average a tuple of gradients (e.g. from ``torch.autograd.grad``) across ranks,
+        differentiably, so hypergradient code stays exact; see ``comm.functional``."""
+        present = [g for g in grads if g is not None]
+        scale = self.grad_scale()
+        reduced = iter(functional.all_reduce_many([g * scale for g in present], "sum"))
+        return tuple(next(reduced) if g is not None else g for g in grads)
+
+    def barrier(self) -> None:
+        ops.barrier()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return ops.broadcast_object(obj, src)
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{f.name}={getattr(self.config, f.name)!r}"
+                            for f in dataclasses.fields(self.config))
+        return f"metadist.strategy({self.name!r}{', ' if options else ''}{options})"

@@ -1,0 +1,254 @@
+"""Gradient buckets and the backward-driven reducer behind ddp, zero1 and zero2.
+
+Data path: backward accumulates into a leaf's ``.grad``; that parameter's post-accumulate-grad
+hook marks it ready in its bucket; a complete bucket launches an async collective on its flat
+buffer (buckets launch strictly in index order, the same on every rank); the end of backward
+(an autograd callback) launches what is left and waits; the optimizer then steps on averaged
+gradients that are views into the bucket buffers.
+
+Semantics (see ARCHITECTURE.md):
+* Only accumulation into ``.grad`` syncs. ``torch.autograd.grad`` (inner loops) never fires the
+  hooks, so inner-loop gradients stay local; any number of forwards per step is fine.
+* Several backward calls in one step: the first syncs with overlap; later ones only
+  accumulate and one re-sync runs before ``optimizer.step()``. Every rank then holds
+  ``avg_previous + local_new`` and, because ``avg_previous`` is identical everywhere, the mean
+  of those buffers is exactly ``avg_previous + mean(local_new)``.
+* Each bucket carries one flag per parameter ("had a gradient here"), summed with the
+  gradients, so a parameter no rank touched keeps ``grad=None`` on every rank with no extra
+  collective and no user flag.
+* zero2 owners: a bucket's result is kept by its owner only; other ranks drop the gradients
+  at once. For later backward calls in the step the owner pre-scales its own incoming
+  gradient (a tensor hook that only acts when autograd will accumulate into ``.grad``), so
+  its unscaled average plus everyone's scaled new gradients is again exact.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from metadist.comm import ops
+from metadist.comm.ops import Handle
+from metadist.runtime.world import Group
+
+
+class _State(enum.Enum):
+    IDLE = "idle"  # no accumulating backward since the last step
+    RUNNING = "running"  # the step's first backward is in flight
+    SYNCED = "synced"  # gradients are averaged
+    DIRTY = "dirty"  # a later backward added local gradients; re-sync before step
+
+
+@dataclass
+class Bucket:
+    """Flat gradients of a few parameters of one dtype/device, reduced by one collective."""
+
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    owner: int | None  # the rank that keeps the result (zero2), or None: every rank
+    persistent: bool  # buffer kept between steps (its views are the gradients)
+    buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+    pending: int = 0
+    handle: Handle | None = None
+
+    def allocate(self) -> torch.Tensor:
+        if self.buffer is None:
+            # Grads, then one "this rank had a gradient" flag per parameter.
+            self.buffer = torch.zeros(self.numel + len(self.params), dtype=self.dtype,
+                                      device=self.device)
+            self.views = [self.buffer[o:o + p.numel()].view_as(p)
+                          for p, o in zip(self.params, self.offsets, strict=True)]
+        return self.buffer
+
+    def release(self) -> None:
+        self.buffer, self.views = None, []
+
+
+def plan_buckets(params: Sequence[nn.Parameter], cap_bytes: int, first_cap_bytes: int,
+                 owners: Sequence[int] | None) -> list[list[int]]:
+    """Indices of ``params`` per bucket: reverse registration order (the order backward
+    produces gradients), one dtype/device/owner per bucket, capped in bytes."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    key: tuple[object, ...] | None = None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        k = (p.dtype, p.device, owners[i] if owners is not None else None)
+        nbytes = p.numel() * p.element_size()
+        cap = first_cap_bytes if not buckets else cap_bytes
+        if current and (k != key or size + nbytes > cap):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        key = k
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Reducer:
+    """Averages (or reduces to owners) the gradients of ``params`` as backward produces them."""
+
+    def __init__(self, params: Sequence[nn.Parameter], *, scale: Callable[[], float],
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 owners: Sequence[int] | None = None, group: Group = None) -> None:
+        self.params = list(params)
+        self._scale = scale
+        self._group = group
+        self._rank = ops.group_info(group)[2]
+        self._owners = owners
+        plan = plan_buckets(self.params, int(bucket_cap_mb * 2**20),
+                            int(first_bucket_mb * 2**20), owners)
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        for index, members in enumerate(plan):
+            ps = [self.params[i] for i in members]
+            offsets, total = [], 0
+            for p in ps:
+                offsets.append(total)
+                total += p.numel()
+            owner = owners[members[0]] if owners is not None else None
+            keep = owner is None or owner == self._rank
+            bucket = Bucket(index, ps, offsets, total, ps[0].dtype, ps[0].device, owner, keep)
+            if keep:
+                bucket.allocate()
+            self.buckets.append(bucket)
+            for p in ps:
+                self._bucket_of[p] = bucket
+        self._state = _State.IDLE
+        self._next = 0
+        self._sync_enabled = True
+        self._local_unsynced = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        if owners is not None:
+            self._handles += [p.register_hook(self._owner_pre_hook(p)) for p in self.params
+                              if self._bucket_of[p].owner == self._rank]
+
+    # ----- hooks -------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._sync_enabled:
+            self._local_unsynced = True
+            return
+        if self._state is _State.IDLE:
+            self._state = _State.RUNNING
+            self._next = 0
+            for b in self.buckets:
+                b.pending = len(b.params)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self._state is not _State.RUNNING:
+            self._state = _State.DIRTY
+            return
+        bucket = self._bucket_of[p]  # type: ignore[index]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_in_order()
+
+    def _owner_pre_hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        grad_fn = p.view_as(p).grad_fn
+        assert grad_fn is not None
+        node = grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
+        assert node is not None
+
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            # Only after this step already synced (p.grad holds the owner's average) and only
+            # when autograd is about to accumulate into .grad (not autograd.grad).
+            if self._state in (_State.SYNCED, _State.DIRTY) and torch._C._will_engine_execute_node(
+                    node):
+                return grad * self._scale()
+            return None
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        if self._state is not _State.RUNNING:
+            return
+        self._launch_in_order(everything=True)
+        self._finish()
+
+    # ----- launching -----------------------------------------------------------------------
+    def _launch_in_order(self, everything: bool = False) -> None:
+        while self._next < len(self.buckets) and (
+                everything or self.buckets[self._next].pending == 0):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, b: Bucket) -> None:
+        buf = b.allocate()
+        had_grad = []
+        for p, view in zip(b.params, b.views, strict=True):
+            g = p.grad
+            had_grad.append(g is not None)
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                if g.is_sparse:
+                    raise ValueError("sparse gradients are not supported by this strategy; use "
+                                     "dense embeddings (sparse=False)")
+                view.copy_(g)
+        buf[b.numel:].copy_(torch.tensor(had_grad, dtype=buf.dtype))
+        mine = b.owner is not None and b.owner == self._rank
+        if not (mine and self._state is _State.DIRTY):  # an owner's DIRTY grads are pre-scaled
+            scale = self._scale()
+            grads = buf[:b.numel]
+            if scale == 0.0:
+                grads.zero_()  # a stand-in batch: contributes nothing, not even NaN
+            elif scale != 1.0:
+                grads.mul_(scale)
+        if b.owner is None:
+            b.handle = ops.all_reduce(buf, "sum", group=self._group, async_op=True)
+        else:
+            b.handle = ops.reduce(buf, b.owner, "sum", group=self._group, async_op=True)
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        for b in self.buckets:
+            assert b.handle is not None
+            b.handle.wait()
+            b.handle = None
+            keep = b.owner is None or b.owner == self._rank
+            assert b.buffer is not None
+            used = (b.buffer[b.numel:] > 0).tolist()
+            for p, view, was_used in zip(b.params, b.views, used, strict=True):
+                if not keep:
+                    p.grad = None  # zero2: the owner has it; free at once
+                elif was_used:
+                    p.grad = view
+                # else: no rank had a gradient; p.grad stays as the user left it
+            if not keep:
+                b.release()
+        self._state = _State.SYNCED
+        self._local_unsynced = False
+
+    # ----- the step ----------------------------------------------------------------------
+    def sync(self) -> None:
+        """Make gradients globally averaged now (before ``step`` / clipping)."""
+        if self._state is _State.DIRTY or (self._local_unsynced and self._state is not
+                                           _State.RUNNING):
+            self._next = 0
+            self._launch_in_order(everything=True)
+            self._finish()
+
+    def step_done(self) -> None:
+        """The optimizer stepped: the next accumulating backward starts a new step."""
+        self._state = _State.IDLE
+
+    def set_sync_enabled(self, enabled: bool) -> bool:
+        previous, self._sync_enabled = self._sync_enabled, enabled
+        return previous
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,119 @@
+"""``"ddp"``: every rank holds the whole model; gradients are averaged in buckets that overlap
+backward. Our own reducer (strategies/buckets.py), driven by backward, never by forward, so
+inner loops with any number of forwards and ``autograd.grad(create_graph=True)`` just work."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from metadist.comm import fused
+from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.buckets import Reducer
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
+
+
+@dataclass(frozen=True)
+class DDPConfig(StrategyConfig):
+    #: Cap of a gradient bucket; buckets launch their all-reduce as soon as they are full.
+    bucket_cap_mb: float = 25.0
+    #: Cap of the first bucket (the last layers' gradients), small so communication starts early.
+    first_bucket_mb: float = 1.0
+    #: Broadcast rank 0's buffers (e.g. BatchNorm running stats) before every forward.
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
+            raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+
+
+class ReplicatedModule(DistributedModule):
+    """The user's module, replicated on every rank, with a reducer for its gradients."""
+
+    def __init__(self, module: nn.Module, reducer: Reducer | None, broadcast_buffers: bool) -> None:
+        super().__init__(module)
+        self.reducer = reducer
+        self._broadcast_buffers = broadcast_buffers and reducer is not None
+
+    def pre_forward(self) -> None:
+        if self._broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                fused.fused_broadcast(buffers, src=0)
+
+
+def prepare_replicated(model: nn.Module, device: torch.device, sync_batchnorm: bool) -> nn.Module:
+    """Convert BatchNorm if asked, move to ``device`` and start every rank from rank 0's state."""
+    if sync_batchnorm:
+        model = convert_sync_batchnorm(model)
+    model = model.to(device)
+    state = [*model.parameters(), *model.buffers()]
+    if state:
+        with torch.no_grad():
+            fused.fused_broadcast([t.data for t in state], src=0)
+    return model
+
+
+def move_optimizer_state(optimizer: Optimizer) -> None:
+    """Put state tensors (e.g. Adam's moments) on their parameter's device."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.device != p.device and value.dim() > 0:
+                    optimizer.state[p][key] = value.to(p.device)
+
+
+def hook_reducer(optimizer: Optimizer, reducer: Reducer) -> None:
+    """Sync before ``optimizer.step()`` if a later backward left local gradients; afterwards
+    the next backward starts a new step."""
+    optimizer.register_step_pre_hook(lambda *_: reducer.sync())
+    optimizer.register_step_post_hook(lambda *_: reducer.step_done())
+
+
+@register("ddp")
+class DDPStrategy(Strategy):
+    """Distributed data parallel with metadist's own bucketed, overlapping reducer."""
+
+    Config = DDPConfig
+    config: DDPConfig
+
+    def setup_module(self, model: nn.Module) -> ReplicatedModule:
+        model = prepare_replicated(model, self.device, self.config.sync_batchnorm)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        reducer = None
+        if self.world.world_size > 1:
+            reducer = Reducer(trainable, scale=self.grad_scale,
+                              bucket_cap_mb=self.config.bucket_cap_mb,
+                              first_bucket_mb=self.config.first_bucket_mb)
+        return ReplicatedModule(model, reducer, self.config.broadcast_buffers)
+
+    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+        move_optimizer_state(optimizer)
+        if isinstance(module, ReplicatedModule) and module.reducer is not None:
+            hook_reducer(optimizer, module.reducer)
+        return optimizer
+
+    @contextmanager
+    def no_sync(self, module: DistributedModule) -> Iterator[None]:
+        reducer = getattr(module, "reducer", None)
+        if reducer is None:
+            yield
+            return
+        previous = reducer.set_sync_enabled(False)
+        try:
+            yield
+        finally:
+            reducer.set_sync_enabled(previous)
+
+    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        reducer = getattr(module, "reducer", None)
+        if reducer is not None:
+            reducer.sync()
+        return super().clip_grad_norm_(module, max_norm, norm_type)

@@ -1,0 +1,51 @@
+"""The module every strategy returns from ``setup``: the user's module plus the strategy's
+forward-time duties, and a uniform way to run it with explicit ("fast") weights.
+
+Meta-learning code never needs to know how parameters are laid out across ranks:
+``full_parameters()`` gives name -> tensor for every trainable parameter of the user's module,
+differentiable with respect to what the optimizer steps, and ``functional_forward(params, ...)``
+runs the module with any such dictionary (e.g. weights adapted in an inner loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+class DistributedModule(nn.Module):
+    """Wraps ``module``; ``state_dict``/``load_state_dict`` speak the user's module's keys."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def pre_forward(self) -> None:
+        """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.pre_forward()
+        return self.module(*args, **kwargs)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter of the user's module, by its own name, as a tensor that
+        gradients flow through back to what the optimizer steps."""
+        return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+
+    def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
+                           **kwargs: Any) -> Any:
+        """Run the module with ``params`` (names as in :meth:`full_parameters`) in place of
+        its own; parameters and buffers not named keep their current values."""
+        self.pre_forward()
+        return functional_call(self.module, dict(params), args, kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -1,0 +1,108 @@
+"""Cross-rank BatchNorm on CPU and GPU, built on the differentiable all-reduce.
+
+Batch statistics are the global batch's: each rank contributes per-channel sums, sums of
+squares and counts (in float64, one collective per layer per forward). Because the
+all-reduce is differentiable with the ``per_rank`` convention, autograd produces the exact
+gradients of the global objective, double backward included, with no hand-written backward.
+Running statistics are updated from the global mean and unbiased variance, so every rank's
+buffers stay identical without a broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from metadist.comm import functional, ops
+from metadist.runtime.world import Group
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm over the batch of every rank in ``group`` (any input with channels in dim 1)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 group: Group = None, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        self.group = group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects (N, C, ...) input, got {input.dim()}-D")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if not use_batch_stats or ops.group_info(self.group)[1] == 1:
+            return self._local(x)
+        channels = x.shape[1]
+        dims = [0, *range(2, x.dim())]
+        local = torch.cat([
+            x.sum(dims, dtype=torch.float64),
+            x.square().sum(dims, dtype=torch.float64),
+            x.new_full((1,), x.numel() // channels, dtype=torch.float64),
+        ])
+        total = functional.all_reduce(local, "sum", group=self.group)
+        count = total[-1]
+        mean64 = total[:channels] / count
+        var64 = total[channels:2 * channels] / count - mean64.square()
+        if self.training and self.track_running_stats:
+            self._update_running_stats(mean64.detach(), var64.detach(), count.detach())
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        mean = mean64.to(x.dtype).view(shape)
+        inv_std = torch.rsqrt(var64 + self.eps).to(x.dtype).view(shape)
+        y = (x - mean) * inv_std
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain BatchNorm (one rank, or evaluation with running statistics)."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        return F.batch_norm(
+            x,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight, self.bias, use_batch_stats, factor, self.eps)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor,
+                              count: torch.Tensor) -> None:
+        assert self.running_mean is not None and self.running_var is not None
+        assert self.num_batches_tracked is not None
+        self.num_batches_tracked.add_(1)
+        factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                  else self.momentum)
+        unbiased = var * (count / (count - 1.0).clamp(min=1.0))
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+
+
+def convert_sync_batchnorm(module: nn.Module, group: Group = None) -> nn.Module:
+    """Replace every BatchNorm layer in ``module`` by :class:`SyncBatchNorm`, keeping the same
+    parameter and buffer tensors (optimizers built on them stay valid). Returns the module
+    (a new one only when ``module`` itself is a BatchNorm layer)."""
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                             module.track_running_stats, group=group)
+        if module.affine:
+            sync.weight, sync.bias = module.weight, module.bias
+        sync.running_mean = module.running_mean
+        sync.running_var = module.running_var
+        sync.num_batches_tracked = module.num_batches_tracked
+        sync.train(module.training)
+        return sync
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, group)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module

@@ -1,0 +1,62 @@
+"""Meta-learning stays exact across ranks: second-order MAML, a gradient-norm penalty (double
+backward through the gradient) and an unrolled hypergradient, each against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meta import (
+    hyper_on_rank,
+    hyper_reference,
+    maml_on_rank,
+    maml_reference,
+    penalty_on_rank,
+    penalty_reference,
+)
+from metadist.testing import run_on_ranks
+from parity import ATOL, RTOL
+
+STRATEGIES = ["ddp"]
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def maml_want() -> dict[bool, dict[str, torch.Tensor]]:
+    return {per_task: maml_reference(per_task) for per_task in (False, True)}
+
+
+@pytest.mark.parametrize("per_task_backward", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_second_order_maml_matches_single_process(
+        strategy: str, n: int, per_task_backward: bool,
+        maml_want: dict[bool, dict[str, torch.Tensor]]) -> None:
+    for rank, got in enumerate(run_on_ranks(maml_on_rank, n, args=(strategy, per_task_backward),
+                                            timeout=300)):
+        _close(got, maml_want[per_task_backward], f"{strategy} n={n} rank={rank}")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_gradient_norm_penalty_matches_single_process(strategy: str, n: int) -> None:
+    want = penalty_reference()
+    for rank, got in enumerate(run_on_ranks(penalty_on_rank, n, args=(strategy,))):
+        _close(got, want, f"{strategy} n={n} rank={rank}")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_synced_hypergradient_matches_single_process(strategy: str, n: int) -> None:
+    params, decay, hypers = hyper_reference()
+    for rank, (got, got_decay, got_hypers) in enumerate(
+            run_on_ranks(hyper_on_rank, n, args=(strategy,))):
+        assert got_hypers == pytest.approx(hypers, rel=1e-5, abs=1e-7), f"rank {rank}"
+        assert got_decay == pytest.approx(decay, rel=1e-6)
+        _close(got, params, f"{strategy} n={n} rank={rank}")

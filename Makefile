@@ -20,8 +20,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
-bench: $(STAMP)
-	$(PY) -m benchmarks.run
+# Peer libraries are benchmark anchors only: installed beside, never into, the package env.
+BENCH_PKGS := .bench
+$(BENCH_PKGS)/.installed: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(BENCH_PKGS) fairscale==0.4.13
+	touch $@
+
+bench: $(STAMP) $(BENCH_PKGS)/.installed
+	$(PY) -m benchmarks.comm
+	$(PY) -m benchmarks.ddp
+	$(PY) -m benchmarks.zero
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

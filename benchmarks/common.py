@@ -20,13 +20,20 @@ def timed(fn: Callable[[], object], inner: int = 1) -> float:
     return (time.perf_counter() - start) / inner
 
 
+def rotation(names: Sequence[str], i: int) -> list[str]:
+    """Repetition ``i``'s order: rotated each time, so every configuration follows every
+    other one equally often (what ran just before, e.g. its cache footprint, averages out)."""
+    k = i % len(names) if names else 0
+    return [*names[k:], *names[:k]]
+
+
 def alternate(configs: dict[str, Callable[[], object]], reps: int,
               warmup: int = 2, inner: int = 1) -> dict[str, float]:
     """Median seconds per config; configs take turns each repetition, warm-up discarded."""
     samples: dict[str, list[float]] = {name: [] for name in configs}
     for i in range(warmup + reps):
-        for name, fn in configs.items():
-            t = timed(fn, inner)
+        for name in rotation(list(configs), i):
+            t = timed(configs[name], inner)
             if i >= warmup:
                 samples[name].append(t)
     return {name: statistics.median(ts) for name, ts in samples.items()}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import metadist
-from benchmarks.common import table, timed
+from benchmarks.common import rotation, table, timed
 from benchmarks.models import param_count, workload
 from metadist.comm import stats
 
@@ -61,7 +61,8 @@ def _body(name: str, steps: int, warmup: int, options: dict[str, float]) -> dict
     samples: dict[str, list[float]] = {k: [] for k in configs}
     traffic = None
     for i in range(warmup + steps):
-        for key, step in configs.items():
+        for key in rotation(list(configs), i):
+            step = configs[key]
             if key == "metadist ddp" and i == warmup:
                 with stats.counting() as counted:
                     t = timed(step)

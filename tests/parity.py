@@ -18,6 +18,7 @@ import metadist
 from metadist.testing import assert_same_on_all_ranks
 
 RTOL, ATOL = 1.3e-6, 1e-5
+SHARDED_GRADS = ("zero2", "zero3", "hsdp")
 GLOBAL_BATCH = 24  # divisible by 1, 2, 3, 4 and, per rank, by 2 micro-batches up to N=3
 STEPS = 10
 FEATURES, HIDDEN, OUT = 10, 16, 3
@@ -77,19 +78,38 @@ def micro(t: torch.Tensor, accumulate: int) -> list[torch.Tensor]:
     return list(t.chunk(accumulate))
 
 
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Parameters, buffers and optimizer state by name, detached copies."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for k, v in optimizer.state.get(p, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    state[f"{names[id(p)]}.{k}"] = v.detach().clone()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-            "state": state,
-            "grads_none": sorted(n for n, p in model.named_parameters() if p.grad is None)}
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer,
+             strategy: metadist.Strategy | None = None,
+             names: list[str] | None = None) -> dict[str, Any]:
+    """Parameters, buffers and (full, consolidated) optimizer state by name, detached copies.
+
+    With a strategy, ``model`` is the wrapped module (its ``state_dict()`` is the user's
+    module's, gathered if sharded) and ``names`` the parameter names in optimizer order.
+    """
+    if strategy is None:
+        names = [n for n, _ in model.named_parameters()]
+        ids = {id(p): n for n, p in model.named_parameters()}
+        by_name = {ids[id(p)]: optimizer.state[p] for g in optimizer.param_groups
+                   for p in g["params"] if optimizer.state.get(p)}
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        grads_none: list[str] | None = sorted(n for n, p in model.named_parameters()
+                                              if p.grad is None)
+    else:
+        assert names is not None
+        consolidated = strategy.optimizer_state_dict(optimizer)
+        assert consolidated is not None
+        ordered = [pid for g in consolidated["param_groups"] for pid in g["params"]]
+        by_name = {names[i]: consolidated["state"][pid] for i, pid in enumerate(ordered)
+                   if pid in consolidated["state"]}
+        full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # Strategies that shard gradients drop the ones a rank does not own: not comparable.
+        grads_none = None if strategy.name in SHARDED_GRADS else sorted(
+            n for n, p in model.module.named_parameters() if p.grad is None)
+    state = {f"{n}.{k}": v.detach().clone() for n, entry in by_name.items()
+             for k, v in entry.items() if torch.is_tensor(v) and v.dim() > 0}
+    return {"params": {n: full[n] for n in names},
+            "buffers": {n: v for n, v in full.items() if n not in names},
+            "state": state, "grads_none": grads_none}
 
 
 def reference(optimizer: str, accumulate: int = 1, batchnorm: bool = True,
@@ -124,11 +144,12 @@ def train_on_rank(strategy: str, optimizer: str, accumulate: int = 1, batchnorm:
     if batchnorm:
         opts.setdefault("sync_batchnorm", True)
     s = metadist.strategy(strategy, **opts)
+    names = [n for n, _ in net.named_parameters()]
     model, opt = s.setup(net, make_optimizer(optimizer, net.parameters()))
     for x, y in batches():
         opt.zero_grad()
-        xs = micro(shard(x, w.rank, w.world_size), accumulate)
-        ys = micro(shard(y, w.rank, w.world_size), accumulate)
+        xs = micro(shard(x, w.rank, w.world_size).to(s.device), accumulate)
+        ys = micro(shard(y, w.rank, w.world_size).to(s.device), accumulate)
         for j in range(accumulate):
             if j < accumulate - 1:
                 with s.no_sync(model):
@@ -140,7 +161,7 @@ def train_on_rank(strategy: str, optimizer: str, accumulate: int = 1, batchnorm:
             assert_same_on_all_ranks(b, f"buffer {name}")
         if check_each_step is not None:
             check_each_step(model)
-    return snapshot(model.module, opt)
+    return snapshot(model, opt, s, names)
 
 
 def assert_parity(got: dict[str, Any], want: dict[str, Any], where: str = "") -> None:
@@ -150,4 +171,5 @@ def assert_parity(got: dict[str, Any], want: dict[str, Any], where: str = "") ->
             torch.testing.assert_close(
                 got[kind][name], value, rtol=RTOL, atol=ATOL,
                 msg=lambda m, kind=kind, name=name: f"{where} {kind} {name}: {m}")
-    assert got["grads_none"] == want["grads_none"], f"{where} grad None sets differ"
+    if got["grads_none"] is not None:
+        assert got["grads_none"] == want["grads_none"], f"{where} grad None sets differ"

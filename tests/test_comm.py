@@ -199,3 +199,27 @@ def _skip_a_collective() -> None:
 def test_debug_mode_turns_a_skipped_collective_into_an_error() -> None:
     with pytest.raises(metadist.RankFailedError, match="collective mismatch"):
         run_on_ranks(_skip_a_collective, 2, timeout=60)
+
+
+def _large_reduce_scatter() -> tuple[bool, bool, bool]:
+    """Inputs above the ring threshold take the point-to-point ring on gloo."""
+    r, n = metadist.world().rank, metadist.world().world_size
+    m = (1 << 20) // 4 // n + 7  # > 1 MiB in total, an odd chunk length
+    x = torch.arange(n * m, dtype=torch.float32) * (r + 1)
+    keep = x.clone()
+    out = torch.empty(m)
+    handle = comm.reduce_scatter(out, x, "mean", async_op=True)
+    handle.wait()
+    expected = torch.arange(r * m, (r + 1) * m, dtype=torch.float32) * sum(
+        k + 1 for k in range(n)) / n
+    scratch = x.clone()
+    out2 = torch.empty(m)
+    comm.reduce_scatter(out2, scratch, "sum", input_is_scratch=True)
+    return (torch.allclose(out, expected), torch.equal(x, keep),
+            torch.allclose(out2, expected * n))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ring_reduce_scatter_on_large_inputs(n: int) -> None:
+    for close, untouched, scratch_close in run_on_ranks(_large_reduce_scatter, n):
+        assert close and untouched and scratch_close

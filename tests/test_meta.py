@@ -17,7 +17,17 @@ from meta import (
 from metadist.testing import run_on_ranks
 from parity import ATOL, RTOL
 
-STRATEGIES = ["ddp"]
+# (strategy, options): zero3/hsdp with tiny units so the models split into several.
+STRATEGIES: dict[str, dict[str, object]] = {
+    "ddp": {}, "zero1": {}, "zero2": {},
+    "zero3": {"min_unit_params": 50}, "hsdp": {"min_unit_params": 50},
+}
+# (world size, simulated nodes): hsdp shards within 2 nodes and replicates across them.
+LAYOUTS = {name: [(n, 1) for n in (1, 2, 3, 4)] for name in STRATEGIES}
+LAYOUTS["hsdp"] = [(2, 2), (4, 2)]
+CASES = [(name, n, nodes) for name, layouts in LAYOUTS.items() for n, nodes in layouts]
+SECOND_ORDER = [(name, n, nodes) for name, n, nodes in CASES if n in (2, 3, 4) and (
+    n != 4 or name == "hsdp")]
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
@@ -33,30 +43,31 @@ def maml_want() -> dict[bool, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("per_task_backward", [False, True])
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("strategy", "n", "nnodes"), CASES)
 def test_second_order_maml_matches_single_process(
-        strategy: str, n: int, per_task_backward: bool,
+        strategy: str, n: int, nnodes: int, per_task_backward: bool,
         maml_want: dict[bool, dict[str, torch.Tensor]]) -> None:
-    for rank, got in enumerate(run_on_ranks(maml_on_rank, n, args=(strategy, per_task_backward),
-                                            timeout=300)):
+    out = run_on_ranks(maml_on_rank, n, nnodes=nnodes, timeout=300,
+                       args=(strategy, per_task_backward, STRATEGIES[strategy]))
+    for rank, got in enumerate(out):
         _close(got, maml_want[per_task_backward], f"{strategy} n={n} rank={rank}")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_gradient_norm_penalty_matches_single_process(strategy: str, n: int) -> None:
+@pytest.mark.parametrize(("strategy", "n", "nnodes"), SECOND_ORDER)
+def test_gradient_norm_penalty_matches_single_process(strategy: str, n: int,
+                                                      nnodes: int) -> None:
     want = penalty_reference()
-    for rank, got in enumerate(run_on_ranks(penalty_on_rank, n, args=(strategy,))):
+    out = run_on_ranks(penalty_on_rank, n, nnodes=nnodes, args=(strategy, STRATEGIES[strategy]))
+    for rank, got in enumerate(out):
         _close(got, want, f"{strategy} n={n} rank={rank}")
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_synced_hypergradient_matches_single_process(strategy: str, n: int) -> None:
+@pytest.mark.parametrize(("strategy", "n", "nnodes"), SECOND_ORDER)
+def test_synced_hypergradient_matches_single_process(strategy: str, n: int,
+                                                     nnodes: int) -> None:
     params, decay, hypers = hyper_reference()
-    for rank, (got, got_decay, got_hypers) in enumerate(
-            run_on_ranks(hyper_on_rank, n, args=(strategy,))):
+    out = run_on_ranks(hyper_on_rank, n, nnodes=nnodes, args=(strategy, STRATEGIES[strategy]))
+    for rank, (got, got_decay, got_hypers) in enumerate(out):
         assert got_hypers == pytest.approx(hypers, rel=1e-5, abs=1e-7), f"rank {rank}"
         assert got_decay == pytest.approx(decay, rel=1e-6)
         _close(got, params, f"{strategy} n={n} rank={rank}")

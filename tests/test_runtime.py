@@ -256,3 +256,16 @@ def test_decorators_read_the_launcher_environment_before_init(
     assert _zero() is None and _non_zero() == "non-zero"
     with pytest.raises(ValueError, match="at least one rank"):
         metadist.on_rank()
+
+
+def _write_in_place(t: torch.Tensor) -> list[float]:
+    t.add_(metadist.world().rank + 1)  # each rank writes its own copy...
+    comm.barrier()
+    return t.tolist()  # ...and must not see the other ranks' writes
+
+
+def test_tensors_cross_launch_by_value_never_shared() -> None:
+    t = torch.zeros(2)
+    out = metadist.launch(_write_in_place, 2, args=(t,))
+    assert out == [[1.0, 1.0], [2.0, 2.0]]
+    assert t.tolist() == [0.0, 0.0]

@@ -3,9 +3,9 @@ and the counters that benchmarks read. Strategies call these, never torch.distri
 
 from metadist.comm import functional, stats
 from metadist.comm.fused import fused_all_reduce, fused_broadcast, fused_reduce, plan_buckets
+from metadist.comm.handle import Handle
 from metadist.comm.ops import (
     REDUCE_OPS,
-    Handle,
     ReduceOpName,
     all_gather,
     all_gather_object,

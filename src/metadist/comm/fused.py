@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from metadist.comm import ops
-from metadist.comm.ops import Handle, ReduceOpName
+from metadist.comm.handle import Handle
+from metadist.comm.ops import ReduceOpName
 from metadist.runtime.world import Group
 
 DEFAULT_CAP_MB = 25.0

@@ -5,9 +5,10 @@ with ``async_op=False`` the handle is already complete. ``src``/``dst`` are rank
 ``group``. A world of one, or the :data:`~metadist.runtime.world.SELF` group, makes every
 collective the identity without touching torch.distributed.
 
-Backend-aware choices live here, not in the strategies: gloo's all_gather and reduce_scatter
-are several times slower than broadcast and all_reduce on the same bytes, so ``impl="auto"``
-builds them from those primitives on gloo and uses the native ones elsewhere.
+Backend-aware choices live here, not in the strategies. On gloo, ``impl="auto"`` replaces
+the slow native all_gather, reduce_scatter and reduce with faster constructions measured on
+these machines (benchmarks/comm.py): point-to-point rings (comm/ring.py), one broadcast per
+rank, or an in-place all-reduce. Other backends use the native collectives.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from metadist.comm import stats
+from metadist.comm import ring, stats
+from metadist.comm.handle import Handle
 from metadist.errors import CollectiveMismatchError
 from metadist.runtime import world as _world
 from metadist.runtime.world import SELF, Group
 
 ReduceOpName = Literal["sum", "mean", "max", "min", "prod"]
+RING_MIN_BYTES = 1 << 20  # below this, a ring's N-1 latency-bound steps lose to one all_reduce
 REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
 Impl = Literal["auto", "native"]
 
@@ -50,30 +53,6 @@ def set_debug(enabled: bool) -> None:
     """
     global _debug
     _debug = enabled
-
-
-class Handle:
-    """A waitable result of a collective. ``wait()`` returns the result and is idempotent."""
-
-    def __init__(self, result: Any, works: Sequence[Any] = (),
-                 finish: Callable[[], None] | None = None) -> None:
-        self._result = result
-        self._works = list(works)
-        self._finish = finish
-        self._done = not self._works and finish is None
-
-    def is_completed(self) -> bool:
-        return self._done or all(w.is_completed() for w in self._works)
-
-    def wait(self) -> Any:
-        if not self._done:
-            for work in self._works:
-                work.wait()
-            if self._finish is not None:
-                self._finish()
-            self._works.clear()
-            self._done = True
-        return self._result
 
 
 def _torch_op(op: str) -> Any:
@@ -205,16 +184,28 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, group: Group = None,
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", *, group: Group = None,
-           async_op: bool = False) -> Handle:
-    """Reduce onto group rank ``dst``; on other ranks ``tensor`` is left unspecified."""
+           async_op: bool = False, impl: Impl = "auto") -> Handle:
+    """Reduce onto group rank ``dst``; on other ranks ``tensor`` is left unspecified.
+
+    On gloo ``impl="auto"`` sends straight to ``dst`` at two ranks (sums only) and otherwise
+    runs an all-reduce, which gloo completes faster than its reduce (the contract allows it:
+    other ranks' tensors are unspecified anyway).
+    """
     top = _torch_op(op)
-    _, size, rank = group_info(group)
+    pg, size, rank = group_info(group)
     finish = _divider(tensor, size) if op == "mean" and rank == dst else None
-    return _launch(
-        "reduce", group, [tensor], _nbytes(tensor),
-        lambda pg: dist.reduce(tensor, _global(pg, group, dst), top, group=pg, async_op=True),
-        async_op, tensor, finish,
-    ) or Handle(tensor)
+    gloo = pg is not None and size > 1 and impl == "auto" and str(dist.get_backend(pg)) == "gloo"
+    if gloo and size == 2 and op in ("sum", "mean"):
+        def call(pg: dist.ProcessGroup) -> Any:
+            return ring.reduce_to(tensor, dst, pg, rank)
+    elif gloo:
+        def call(pg: dist.ProcessGroup) -> Any:
+            return dist.all_reduce(tensor, top, group=pg, async_op=True)
+    else:
+        def call(pg: dist.ProcessGroup) -> Any:
+            return dist.reduce(tensor, _global(pg, group, dst), top, group=pg, async_op=True)
+    return _launch("reduce", group, [tensor], _nbytes(tensor), call, async_op, tensor,
+                   finish) or Handle(tensor)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None,
@@ -234,10 +225,13 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None
         chunks = _chunks(output, size)
         if chunks[rank].data_ptr() != input.data_ptr():
             chunks[rank].copy_(input)
-
-        def call(pg: dist.ProcessGroup) -> list[Any]:
-            return [dist.broadcast(c, _global(pg, group, r), group=pg, async_op=True)
-                    for r, c in enumerate(chunks)]
+        if size == 2:  # one exchange
+            def call(pg: dist.ProcessGroup) -> list[Any]:
+                return [ring.all_gather(output, pg, size, rank)]
+        else:
+            def call(pg: dist.ProcessGroup) -> list[Any]:
+                return [dist.broadcast(c, _global(pg, group, r), group=pg, async_op=True)
+                        for r, c in enumerate(chunks)]
     else:
         def call(pg: dist.ProcessGroup) -> list[Any]:
             return [_all_gather_single(output, input, group=pg, async_op=True)]
@@ -250,9 +244,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
                    input_is_scratch: bool = False) -> Handle:
     """Reduce ``input`` across ranks and keep this rank's dim-0 chunk in ``output``.
 
-    gloo's native reduce_scatter is an all-reduce plus copies; when the caller lets the input
-    be overwritten (``input_is_scratch=True``) ``impl="auto"`` runs a plain all-reduce in place
-    and keeps this rank's chunk, which is cheaper. Otherwise the native collective runs.
+    gloo's native reduce_scatter is an all-reduce plus copies; ``impl="auto"`` runs a ring of
+    point-to-point sends instead (about twice as fast as an all-reduce), or for small inputs
+    an in-place all-reduce. Both work in the input: ``input_is_scratch=True`` lets them
+    overwrite it, otherwise it is copied first.
     """
     top = _torch_op(op)
     pg, size, rank = group_info(group)
@@ -266,17 +261,20 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
             output.copy_(input)
         return Handle(output)
     scale = 1.0 / size if op == "mean" else None
-    if impl == "auto" and input_is_scratch and str(dist.get_backend(pg)) == "gloo":
-        scratch = input
+    if impl == "auto" and str(dist.get_backend(pg)) == "gloo" and op in ("sum", "mean"):
+        scratch = input if input_is_scratch else input.clone()
         mine = _chunks(scratch, size)[rank]
+        use_ring = _nbytes(input) >= RING_MIN_BYTES and input.is_contiguous()
 
         def finish() -> None:
-            if mine.data_ptr() != output.data_ptr():
+            if not use_ring and mine.data_ptr() != output.data_ptr():
                 output.copy_(mine)
             if scale is not None:
                 output.mul_(scale)
 
         def call(pg: dist.ProcessGroup) -> list[Any]:
+            if use_ring:
+                return [ring.reduce_scatter(output, scratch, pg, size, rank)]
             return [dist.all_reduce(scratch, top, group=pg, async_op=True)]
     else:
         def finish() -> None:

@@ -14,6 +14,7 @@ import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -71,6 +72,16 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="metadist-parent-watch", daemon=True).start()
 
 
+def _send(conn: Connection, obj: Any) -> None:
+    """Pickle by value. multiprocessing's own pickler would move CPU tensors into shared
+    memory, silently aliasing one tensor across ranks (and with the caller)."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def _describe(exc: BaseException) -> tuple[str, str, str, str]:
     return ("error", type(exc).__name__, str(exc), traceback.format_exc())
 
@@ -98,13 +109,13 @@ def _worker(spec: _Spec, conn: Connection) -> None:
         world.forget_inherited()
         try:
             world.init(spec.backend, timeout=spec.timeout)
-            conn.send(("ready", None))
+            _send(conn, ("ready", None))
         except BaseException as exc:
-            conn.send(_describe(exc))
+            _send(conn, _describe(exc))
             return
         while True:
             try:
-                message = conn.recv()
+                message = _recv(conn)
             except (EOFError, OSError):
                 break
             if message[0] == "stop":
@@ -115,9 +126,9 @@ def _worker(spec: _Spec, conn: Connection) -> None:
             except BaseException as exc:
                 reply = _describe(exc)
             try:
-                conn.send(reply)
+                _send(conn, reply)
             except Exception as exc:  # e.g. an unpicklable return value
-                conn.send(("error", type(exc).__name__,
+                _send(conn, ("error", type(exc).__name__,
                            f"the return value of rank {spec.rank} could not be sent back: {exc}",
                            traceback.format_exc()))
         world.shutdown()
@@ -193,7 +204,7 @@ class RankPool:
             raise MetadistError("this RankPool was closed (a job failed or it was shut down); "
                                 "create a new one")
         for conn in self._conns:
-            conn.send(("run", fn, tuple(args), dict(kwargs or {})))
+            _send(conn, ("run", fn, tuple(args), dict(kwargs or {})))
         return self._collect("ok", self.timeout if timeout is None else timeout)
 
     def _collect(self, expected: str, timeout: float) -> list[Any]:
@@ -231,7 +242,7 @@ class RankPool:
         conn, proc = self._conns[rank], self._procs[rank]
         if conn in ready or conn.poll():
             try:
-                message: tuple[Any, ...] = conn.recv()
+                message: tuple[Any, ...] = _recv(conn)
                 return message
             except (EOFError, OSError):
                 pass
@@ -268,7 +279,7 @@ class RankPool:
         if not force:
             for conn in self._conns:
                 with contextlib.suppress(OSError):
-                    conn.send(("stop",))
+                    _send(conn, ("stop",))
             for proc in self._procs:
                 proc.join(10.0)
         for proc in self._procs:

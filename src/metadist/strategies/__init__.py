@@ -1,6 +1,6 @@
 """Strategies: one file each, one registry, one small interface (see base.py)."""
 
-from metadist.strategies import ddp, dp, single
+from metadist.strategies import ddp, dp, fsdp, single, zero
 from metadist.strategies.base import Strategy, StrategyConfig, available, register, strategy
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -14,7 +14,9 @@ __all__ = [
     "convert_sync_batchnorm",
     "ddp",
     "dp",
+    "fsdp",
     "register",
     "single",
     "strategy",
+    "zero",
 ]

@@ -179,6 +179,15 @@ class Strategy(ABC):
         reduced = iter(functional.all_reduce_many([g * scale for g in present], "sum"))
         return tuple(next(reduced) if g is not None else g for g in grads)
 
+    def optimizer_state_dict(self, optimizer: Optimizer, to: int | None = None
+                             ) -> dict[str, Any] | None:
+        """The optimizer's full state in the plain single-process format, consolidated from
+        every rank's shard. Collective; returned on every rank, or only on rank ``to``.
+        (``optimizer.state_dict()`` is this rank's shard; ``load_state_dict`` takes either.)"""
+        from metadist.strategies.sharded_optim import full_state_dict
+
+        return full_state_dict(optimizer, to)
+
     def barrier(self) -> None:
         ops.barrier()
 

@@ -25,6 +25,7 @@ Semantics (see ARCHITECTURE.md):
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ import torch
 from torch import nn
 
 from metadist.comm import ops
-from metadist.comm.ops import Handle
+from metadist.comm.handle import Handle
 from metadist.runtime.world import Group
 
 
@@ -60,17 +61,22 @@ class Bucket:
     pending: int = 0
     handle: Handle | None = None
 
-    def allocate(self) -> torch.Tensor:
+    @property
+    def size(self) -> int:
+        return self.numel + len(self.params)  # grads, then one "had a gradient" flag each
+
+    def allocate(self, storage: torch.Tensor | None = None) -> torch.Tensor:
         if self.buffer is None:
-            # Grads, then one "this rank had a gradient" flag per parameter.
-            self.buffer = torch.zeros(self.numel + len(self.params), dtype=self.dtype,
-                                      device=self.device)
+            if storage is None:
+                storage = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+            self.buffer = storage[:self.size]
             self.views = [self.buffer[o:o + p.numel()].view_as(p)
                           for p, o in zip(self.params, self.offsets, strict=True)]
         return self.buffer
 
-    def release(self) -> None:
-        self.buffer, self.views = None, []
+    def release(self) -> torch.Tensor | None:
+        buffer, self.buffer, self.views = self.buffer, None, []
+        return buffer
 
 
 def plan_buckets(params: Sequence[nn.Parameter], cap_bytes: int, first_cap_bytes: int,
@@ -95,6 +101,15 @@ def plan_buckets(params: Sequence[nn.Parameter], cap_bytes: int, first_cap_bytes
     if current:
         buckets.append(current)
     return buckets
+
+
+def will_accumulate(node: torch.autograd.graph.Node) -> bool:
+    """Whether the running backward will accumulate into the ``.grad`` of the leaf whose
+    AccumulateGrad node is ``node`` (False inside ``torch.autograd.grad``)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:  # raised for leaves while autograd.grad() runs: nothing accumulates
+        return False
 
 
 class Reducer:
@@ -126,6 +141,11 @@ class Reducer:
             self.buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
+        # zero2: scratch buffers of other owners' buckets, reused across buckets and steps so
+        # no step pays fresh allocations; at most two such buckets are in flight at once.
+        self._pool: list[torch.Tensor] = []
+        self._in_flight: deque[Bucket] = deque()
+        self._scratch_size = max((b.size for b in self.buckets if not b.persistent), default=0)
         self._state = _State.IDLE
         self._next = 0
         self._sync_enabled = True
@@ -163,8 +183,7 @@ class Reducer:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             # Only after this step already synced (p.grad holds the owner's average) and only
             # when autograd is about to accumulate into .grad (not autograd.grad).
-            if self._state in (_State.SYNCED, _State.DIRTY) and torch._C._will_engine_execute_node(
-                    node):
+            if self._state in (_State.SYNCED, _State.DIRTY) and will_accumulate(node):
                 return grad * self._scale()
             return None
 
@@ -183,9 +202,27 @@ class Reducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    def _scratch(self, b: Bucket) -> torch.Tensor:
+        self._retire(keep=1)
+        for i, t in enumerate(self._pool):
+            if t.dtype == b.dtype and t.device == b.device:
+                return self._pool.pop(i)
+        return torch.empty(self._scratch_size, dtype=b.dtype, device=b.device)
+
+    def _retire(self, keep: int) -> None:
+        """Finish other owners' buckets in flight beyond the newest ``keep``."""
+        while len(self._in_flight) > keep:
+            b = self._in_flight.popleft()
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+            storage = b.release()
+            if storage is not None and len(self._pool) < 2:
+                self._pool.append(storage._base if storage._base is not None else storage)
+
     @torch.no_grad()
     def _launch(self, b: Bucket) -> None:
-        buf = b.allocate()
+        buf = b.allocate(None if b.persistent else self._scratch(b))
         had_grad = []
         for p, view in zip(b.params, b.views, strict=True):
             g = p.grad
@@ -197,6 +234,8 @@ class Reducer:
                     raise ValueError("sparse gradients are not supported by this strategy; use "
                                      "dense embeddings (sparse=False)")
                 view.copy_(g)
+            if not b.persistent:
+                p.grad = None  # zero2: another rank owns it; free it at once
         buf[b.numel:].copy_(torch.tensor(had_grad, dtype=buf.dtype))
         mine = b.owner is not None and b.owner == self._rank
         if not (mine and self._state is _State.DIRTY):  # an owner's DIRTY grads are pre-scaled
@@ -210,24 +249,23 @@ class Reducer:
             b.handle = ops.all_reduce(buf, "sum", group=self._group, async_op=True)
         else:
             b.handle = ops.reduce(buf, b.owner, "sum", group=self._group, async_op=True)
+        if not b.persistent:
+            self._in_flight.append(b)
 
     @torch.no_grad()
     def _finish(self) -> None:
+        self._retire(keep=0)
         for b in self.buckets:
-            assert b.handle is not None
+            if not b.persistent:
+                continue
+            assert b.handle is not None and b.buffer is not None
             b.handle.wait()
             b.handle = None
-            keep = b.owner is None or b.owner == self._rank
-            assert b.buffer is not None
             used = (b.buffer[b.numel:] > 0).tolist()
             for p, view, was_used in zip(b.params, b.views, used, strict=True):
-                if not keep:
-                    p.grad = None  # zero2: the owner has it; free at once
-                elif was_used:
+                if was_used:
                     p.grad = view
                 # else: no rank had a gradient; p.grad stays as the user left it
-            if not keep:
-                b.release()
         self._state = _State.SYNCED
         self._local_unsynced = False
 

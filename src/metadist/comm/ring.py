@@ -1,0 +1,103 @@
+"""Ring algorithms from point-to-point sends, for backends whose native collectives are slow.
+
+On gloo a reduce-scatter built as a ring of isend/irecv moves (N-1)/N of the buffer per rank
+and measures about twice as fast as gloo's all-reduce (which the native reduce-scatter
+wraps); at two ranks a ring all-gather is a single exchange and beats one broadcast per rank.
+``comm.ops`` picks these on gloo; strategies never call them directly.
+
+A ring of N ranks takes N-1 dependent steps. The first step is launched at once; the others
+run when the handle is waited (each step needs the previous one's data), so an async ring
+overlaps fully at two ranks and partly beyond.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from metadist.comm.handle import Handle
+
+# Every rank starts rings in the same order, so a per-process counter gives each ring the
+# same tag everywhere and concurrent rings never take each other's messages.
+_tags = itertools.count(1)
+
+
+class StepHandle(Handle):
+    """A handle over dependent steps: each yielded list of works must finish before the next
+    step is launched (by resuming the generator)."""
+
+    def __init__(self, result: Any, steps: Iterator[list[Any]]) -> None:
+        super().__init__(result)
+        self._steps = steps
+        self._current: list[Any] | None = next(steps, None)
+        self._done = self._current is None
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def wait(self) -> Any:
+        while self._current is not None:
+            for work in self._current:
+                work.wait()
+            self._current = next(self._steps, None)
+        self._done = True
+        return self._result
+
+
+def _peer(pg: dist.ProcessGroup, group_rank: int) -> int:
+    return dist.get_global_rank(pg, group_rank) if pg is not dist.group.WORLD else group_rank
+
+
+def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.ProcessGroup,
+                   size: int, rank: int) -> StepHandle:
+    """Sum over ranks of dim-0 chunk ``rank`` of ``scratch`` into ``output``; overwrites
+    ``scratch``."""
+    tag = next(_tags)
+    chunks = list(scratch.chunk(size))
+    nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
+
+    def steps() -> Iterator[list[Any]]:
+        incoming = torch.empty_like(chunks[0])
+        for s in range(size - 1):
+            send = chunks[(rank - s - 1) % size]
+            yield [dist.isend(send, nxt, group=pg, tag=tag),
+                   dist.irecv(incoming, prv, group=pg, tag=tag)]
+            chunks[(rank - s - 2) % size].add_(incoming)
+        if output.data_ptr() != chunks[rank].data_ptr():
+            output.copy_(chunks[rank])
+
+    return StepHandle(output, steps())
+
+
+def all_gather(output: torch.Tensor, pg: dist.ProcessGroup, size: int,
+               rank: int) -> StepHandle:
+    """Fill every dim-0 chunk of ``output`` from its owner; chunk ``rank`` is already ours."""
+    tag = next(_tags)
+    chunks = list(output.chunk(size))
+    nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
+
+    def steps() -> Iterator[list[Any]]:
+        for s in range(size - 1):
+            yield [dist.isend(chunks[(rank - s) % size], nxt, group=pg, tag=tag),
+                   dist.irecv(chunks[(rank - s - 1) % size], prv, group=pg, tag=tag)]
+
+    return StepHandle(output, steps())
+
+
+def reduce_to(tensor: torch.Tensor, dst: int, pg: dist.ProcessGroup, rank: int) -> StepHandle:
+    """Two ranks: the other rank sends its tensor, ``dst`` adds it to its own."""
+    tag = next(_tags)
+
+    def steps() -> Iterator[list[Any]]:
+        if rank == dst:
+            incoming = torch.empty_like(tensor)
+            yield [dist.irecv(incoming, _peer(pg, 1 - rank), group=pg, tag=tag)]
+            tensor.add_(incoming)
+        else:
+            yield [dist.isend(tensor, _peer(pg, dst), group=pg, tag=tag)]
+
+    return StepHandle(tensor, steps())

@@ -1,0 +1,311 @@
+"""Flat, padded, per-unit parameter shards (zero3, hsdp).
+
+A :class:`FlatParam` holds the parameters of one wrap unit that share a dtype, an optimizer
+group and ``requires_grad``: concatenated, padded to a multiple of the shard group's size,
+and split so each rank keeps one contiguous shard (an ``nn.Parameter`` the optimizer steps).
+Before the unit runs, the shards are all-gathered into a full buffer the module's parameters
+are views of (no copies); after use the buffer's storage is freed and re-allocated on demand.
+
+The full buffer enters autograd through :class:`_Unshard`, whose backward reduce-scatters the
+gradient into the shard. With ``create_graph=True`` that backward is built from the
+differentiable collectives, so double backward works; in a plain ``.backward()`` it runs
+asynchronously (overlapping the rest of backward) and the result is accumulated into
+``shard.grad`` when backward ends; inside ``torch.autograd.grad`` it returns the gradient.
+Writes into the full buffer go through ``.data`` so re-gathering for backward never trips
+autograd's version checks on the tensors it saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from metadist.comm import functional, ops
+from metadist.comm.handle import Handle
+from metadist.runtime.world import SELF, Group
+from metadist.strategies.buckets import will_accumulate
+from metadist.strategies.sharded_optim import OptimizerLayout, StateEntry
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one original parameter lives in its flat buffer, and where it is used."""
+
+    fqn: str
+    uses: tuple[tuple[nn.Module, str], ...]  # (module, attribute); several for tied weights
+    shape: torch.Size
+    offset: int
+    numel: int
+    aliases: tuple[str, ...] = ()  # further names of a tied parameter (state_dict keys)
+
+
+class FlatParam:
+    """One unit's parameters of one dtype/group: a padded flat buffer sharded over ``group``."""
+
+    def __init__(self, slots: list[Slot], originals: list[nn.Parameter], *, group: Group,
+                 replicate_group: Group, device: torch.device, offload: bool,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 scale: Callable[[], float], coordinator: BackwardCoordinator) -> None:
+        _, n, rank = ops.group_info(group)
+        # ranks whose gradients are summed into a shard: the shard group times its replicas
+        self.total = n * ops.group_info(replicate_group)[1]
+        self.slots, self.originals = slots, originals
+        self.group, self.replicate_group = group, replicate_group
+        self.rank, self.size = rank, n
+        self.numel = sum(s.numel for s in slots)
+        self.padded = -(-self.numel // n) * n
+        self.shard_size = self.padded // n
+        self.device, self.offload = device, offload
+        self.scale, self.coordinator = scale, coordinator
+        dtype = originals[0].dtype
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        with torch.no_grad():
+            full = torch.zeros(self.padded, dtype=dtype, device=device)
+            for slot, p in zip(slots, originals, strict=True):
+                full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            shard = full[rank * self.shard_size:(rank + 1) * self.shard_size].clone()
+            if offload:
+                shard = shard.cpu().pin_memory() if device.type == "cuda" else shard.cpu()
+        self.shard = nn.Parameter(shard, requires_grad=originals[0].requires_grad)
+        self.full = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
+        self._write = self.full.data  # own version counter: refills are invisible to autograd
+        self._free()
+        grad_fn = self.shard.view_as(self.shard).grad_fn if self.shard.requires_grad else None
+        self.acc_node = grad_fn.next_functions[0][0] if grad_fn is not None else None
+        self._handle: Handle | None = None
+        self._staged: torch.Tensor | None = None
+        self.live = 0  # forward graphs (with grad) still to be backpropagated through this buffer
+        self.stash: torch.Tensor | None = None  # unsharded gradients under no_sync
+        self.sync_grads = True
+
+    # ----- gather and free ------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        return self.full.untyped_storage().size() > 0
+
+    def _free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def start_gather(self) -> None:
+        """Launch the all-gather of the full buffer (no-op if present or in flight)."""
+        if self.gathered or self._handle is not None:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.padded * self.full.element_size())
+        with torch.no_grad():
+            src = self.shard.detach()
+            if src.device != self.device or src.dtype != self.compute_dtype:
+                src = src.to(self.device, self.compute_dtype, non_blocking=True)
+            self._staged = src  # keep alive until the gather finishes
+            self._handle = ops.all_gather(self._write, src, group=self.group, async_op=True)
+
+    def wait(self) -> None:
+        """Finish a gather in flight, if any."""
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle, self._staged = None, None
+
+    def wait_gather(self) -> None:
+        self.start_gather()
+        self.wait()
+
+    def release(self) -> None:
+        """Free the full buffer now (after any gather in flight lands)."""
+        self.wait()
+        if self.gathered:
+            self._free()
+
+    def maybe_free(self) -> None:
+        """Free the full buffer unless a pending gather or a live graph still needs it."""
+        if self.live <= 0 and self._handle is None and self.gathered:
+            self._free()
+
+    def unsharded(self, differentiable: bool) -> torch.Tensor:
+        """The gathered full buffer; through :class:`_Unshard` when gradients should flow."""
+        self.wait_gather()
+        if differentiable and self.shard.requires_grad and torch.is_grad_enabled():
+            self.live += 1
+            out: torch.Tensor = _Unshard.apply(self.shard, self)
+            return out
+        return self.full.detach()
+
+    def views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Parameter-shaped views of ``full`` (one split: a single node in backward)."""
+        sizes = [s.numel for s in self.slots]
+        pieces = full.split([*sizes, self.padded - self.numel])
+        return [piece.view(s.shape) for piece, s in zip(pieces, self.slots, strict=False)]
+
+    # ----- gradients ------------------------------------------------------------------
+    def reduce(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """Backward of the unshard: this rank's shard of the mean gradient over ranks."""
+        self.live -= 1
+        scale = self.scale()
+        if torch.is_grad_enabled():
+            # create_graph: differentiable collectives. The parameters stay gathered: the
+            # recorded backward graph reads them again in a double backward.
+            g = grad.to(self.reduce_dtype) * scale
+            out = functional.reduce_scatter(g, "sum", group=self.group)
+            if self.replicate_group is not SELF:
+                out = functional.all_reduce(out, "sum", group=self.replicate_group)
+            return out.to(self.shard.device, self.shard.dtype)
+        # autograd hands us a fresh buffer (the split's concatenated gradient): the collective
+        # may overwrite it; anything else (a view, an expanded zero) is copied first.
+        g = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
+        if not g.is_contiguous() or g._is_view():
+            g = g.contiguous().clone()
+        self.maybe_free()  # this graph no longer needs the parameters
+        if self.stash is not None:
+            g += self.stash
+            self.stash = None
+        if not self.sync_grads:
+            self.stash = g  # no_sync: accumulate unsharded, reduce with the next synced pass
+            return None
+        # The mean's 1/N is applied to the shard after the reduction (N times fewer elements);
+        # only a rank whose batch weight differs from 1/N rescales its full gradient first.
+        factor = scale * self.total
+        if factor != 1.0:
+            g.mul_(factor)
+        out = g.new_empty(self.shard_size)
+        handle = ops.reduce_scatter(out, g, "sum", group=self.group, async_op=True,
+                                    input_is_scratch=True)
+        if self.acc_node is not None and will_accumulate(self.acc_node):
+            self.coordinator.defer(self, out, handle)  # finished by the next one or at the end
+            return None
+        self.finish(out, handle)
+        return out.mul_(1.0 / self.total).to(self.shard.device, self.shard.dtype)
+
+    def finish(self, out: torch.Tensor, handle: Handle) -> None:
+        """Complete a reduce-scatter (and the sum across replicas, for hsdp)."""
+        handle.wait()
+        if self.replicate_group is not SELF:
+            ops.all_reduce(out, "sum", group=self.replicate_group)
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Add a reduced (summed, not yet averaged) shard gradient into ``shard.grad``."""
+        value = reduced.to(self.shard.device, self.shard.dtype, non_blocking=True)
+        if self.shard.grad is None:
+            self.shard.grad = value.mul_(1.0 / self.total)
+        else:
+            self.shard.grad.add_(value, alpha=1.0 / self.total)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, flat: FlatParam) -> torch.Tensor:
+        ctx.flat = flat
+        return flat.full.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return ctx.flat.reduce(grad), None
+
+
+class BackwardCoordinator:
+    """Finishes the asynchronous reduce-scatters of a backward pass: each one when the next
+    is launched (it had a unit's backward to progress, and its input buffer is freed early)
+    and the last when backward ends."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[FlatParam, torch.Tensor, Handle]] = []
+        self._queued = False
+
+    def defer(self, flat: FlatParam, out: torch.Tensor, handle: Handle) -> None:
+        self._drain()
+        self._pending.append((flat, out, handle))
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _drain(self) -> None:
+        pending, self._pending = self._pending, []
+        for flat, out, handle in pending:
+            flat.finish(out, handle)
+            flat.accumulate(out)
+
+    def _end(self) -> None:
+        self._queued = False
+        self._drain()
+
+
+# Optimizer state kept per parameter, not per element (torch.optim's counters).
+SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+class FlatLayout(OptimizerLayout):
+    """Optimizer layout of flat shards: each rank steps its shard of every flat buffer."""
+
+    def __init__(self, flats: list[FlatParam]) -> None:
+        self.flats = flats
+        self.where = {id(p): (flat, i) for flat in flats for i, p in enumerate(flat.originals)}
+        rank = flats[0].rank if flats else 0
+        size = flats[0].size if flats else 1
+        self.signature = f"flat/{size}/{rank}/{[f.numel for f in flats]}"
+
+    def local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        ids = {id(p) for p in params}
+        local: list[torch.Tensor] = []
+        for flat in self.flats:
+            inside = [id(p) in ids for p in flat.originals]
+            if all(inside):
+                local.append(flat.shard)
+            elif any(inside):
+                raise ValueError(
+                    "an optimizer parameter group splits a flat shard; pass the optimizer to "
+                    "strategy.setup(model, optimizer) so units are split by parameter group")
+        return local
+
+    def full_state(self, optimizer: Optimizer, original: list[torch.Tensor],
+                   to: int | None) -> dict[int, StateEntry] | None:
+        index = {id(p): i for i, p in enumerate(original)}
+        out: dict[int, StateEntry] = {}
+        for flat in self.flats:
+            entry = optimizer.state.get(flat.shard, {})
+            per_param: list[StateEntry] = [{} for _ in flat.slots]
+            for key in sorted(entry):
+                value = entry[key]
+                if (key not in SCALAR_STATE and torch.is_tensor(value)
+                        and value.shape == flat.shard.shape):
+                    full = value.new_empty(flat.padded, device=flat.device)
+                    ops.all_gather(full, value.to(flat.device), group=flat.group)
+                    for d, v in zip(per_param, flat.views(full), strict=True):
+                        d[key] = v.cpu().clone()
+                else:
+                    for d in per_param:
+                        d[key] = value.clone() if torch.is_tensor(value) else value
+            for p, d in zip(flat.originals, per_param, strict=True):
+                if d:
+                    out[index[id(p)]] = d
+        return out if to is None or ops.group_info(None)[2] == to else None
+
+    def local_state(self, full: dict[int, StateEntry],
+                    original: list[torch.Tensor]) -> dict[torch.Tensor, StateEntry]:
+        index = {id(p): i for i, p in enumerate(original)}
+        out: dict[torch.Tensor, StateEntry] = {}
+        for flat in self.flats:
+            entries = [full.get(index[id(p)], {}) for p in flat.originals]
+            if not any(entries):
+                continue
+            shard: StateEntry = {}
+            for key in sorted({k for e in entries for k in e}):
+                sample = next(e[key] for e in entries if key in e)
+                per_element = key not in SCALAR_STATE and all(
+                    torch.is_tensor(e[key]) and e[key].shape == slot.shape
+                    for e, slot in zip(entries, flat.slots, strict=True) if key in e)
+                if per_element:
+                    flat_value = torch.zeros(flat.padded, dtype=sample.dtype)
+                    for slot, e in zip(flat.slots, entries, strict=True):
+                        if key in e:
+                            flat_value[slot.offset:slot.offset + slot.numel] = (
+                                e[key].detach().reshape(-1).cpu())
+                    lo = flat.rank * flat.shard_size
+                    shard[key] = flat_value[lo:lo + flat.shard_size].to(flat.shard.device)
+                else:
+                    shard[key] = sample
+            out[flat.shard] = shard
+        return out

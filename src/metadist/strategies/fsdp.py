@@ -1,0 +1,354 @@
+"""``"zero3"`` / ``"fsdp"``: parameters, gradients and optimizer state sharded.
+
+Units from the wrap policy (strategies/wrap.py) each own flat shards (strategies/flat.py).
+Just before a unit's forward its shards are all-gathered (the next unit in the recorded
+forward order is prefetched) and its modules' parameters become views of the full buffer;
+after the forward the buffer is freed (``reshard_after_forward``). In backward a hook on the
+unit's outputs gathers it again (prefetching the unit backward reaches next), and the
+unshard's backward reduce-scatters the gradient into the shard, asynchronously.
+
+Meta-learning: ``full_parameters()`` returns the full parameters through the differentiable
+all-gather, so inner loops adapt full, local fast weights with ``create_graph=True`` and the
+outer backward reaches the shards through a reduce-scatter; double backward works (FSDP2
+refuses it). ``functional_forward(params, ...)`` runs the module on any such dictionary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils._pytree import tree_leaves
+
+import metadist.runtime.world as _world
+from metadist.comm import fused
+from metadist.runtime.world import SELF, Group
+from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.ddp import move_optimizer_state
+from metadist.strategies.flat import BackwardCoordinator, FlatLayout, FlatParam, Slot
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.sharded_optim import shard_optimizer
+from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
+from metadist.strategies.wrap import UnitPlan, plan_units
+from metadist.strategies.zero import clip_sharded_grads
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise ValueError(f"dtype {value!r} is not known; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
+@dataclass(frozen=True)
+class FSDPConfig(StrategyConfig):
+    #: Size policy: a module whose not-yet-wrapped parameters reach this count becomes a unit.
+    min_unit_params: int = 100_000
+    #: Class policy (overrides the size policy): every instance of these classes is a unit.
+    wrap_classes: tuple[type[nn.Module], ...] = ()
+    #: Free a unit's full parameters after its forward (gather again in backward).
+    reshard_after_forward: bool = True
+    #: Gather the next unit (forward order, reversed in backward) while this one computes.
+    prefetch: bool = True
+    #: Keep shards, gradients and optimizer state in CPU memory; compute on the device.
+    cpu_offload: bool = False
+    #: dtype the parameters are gathered and computed in (e.g. "bfloat16"); shards keep theirs.
+    param_dtype: str | torch.dtype | None = None
+    #: dtype gradients are reduced in (default: the compute dtype).
+    reduce_dtype: str | torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        _dtype(self.param_dtype)
+        _dtype(self.reduce_dtype)
+        if self.min_unit_params < 1:
+            raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params}")
+
+
+class Unit:
+    """A set of modules gathered and freed together; owns one or more flat shards."""
+
+    def __init__(self, plan: UnitPlan, flats: list[FlatParam], index: int) -> None:
+        self.modules, self.flats, self.index = plan.modules, flats, index
+        self.is_root = plan.is_root
+
+    def start_gather(self) -> None:
+        for flat in self.flats:
+            flat.start_gather()
+
+    def bind(self) -> None:
+        """Point the modules' parameter attributes at fresh views of the gathered buffers."""
+        for flat in self.flats:
+            for slot, view in zip(flat.slots, flat.views(flat.unsharded(True)), strict=True):
+                for module, attr in slot.uses:
+                    module.__dict__[attr] = view
+
+    def free(self) -> None:
+        for flat in self.flats:
+            flat.release()
+
+    @property
+    def live(self) -> bool:
+        return any(flat.live > 0 for flat in self.flats)
+
+
+class ShardedModule(DistributedModule):
+    """The user's module with its parameters replaced by gathered views of flat shards."""
+
+    def __init__(self, module: nn.Module, units: list[Unit], config: FSDPConfig) -> None:
+        super().__init__(module)
+        self.units = units
+        self.flats = [flat for unit in units for flat in unit.flats]
+        self.shards = nn.ParameterList([flat.shard for flat in self.flats])
+        self._config = config
+        self._order: list[Unit] = []  # forward order, recorded on the first forward
+        self._recording = True
+        self._hooks_on = True
+        self._handles: list[Any] = []
+        for unit in units:
+            if unit.is_root:
+                continue
+            for member in unit.modules:
+                self._handles.append(member.register_forward_pre_hook(
+                    lambda m, args, unit=unit: self._before(unit)))
+                self._handles.append(member.register_forward_hook(
+                    lambda m, args, out, unit=unit: self._after(unit, out)))
+
+    # ----- forward and backward hooks -------------------------------------------------
+    def _next(self, unit: Unit, step: int) -> Unit | None:
+        if unit not in self._order:
+            return None
+        i = self._order.index(unit) + step
+        return self._order[i] if 0 <= i < len(self._order) else None
+
+    def _before(self, unit: Unit) -> None:
+        if not self._hooks_on:
+            return
+        if self._recording and unit not in self._order:
+            self._order.append(unit)
+        unit.bind()
+        nxt = self._next(unit, +1)
+        if self._config.prefetch and nxt is not None:
+            nxt.start_gather()
+
+    def _after(self, unit: Unit, output: Any) -> Any:
+        if not self._hooks_on:
+            return output
+        if torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, unit=unit: self._before_backward(unit))
+        # The last unit of the forward is the first of backward: keep it gathered.
+        last = not self._recording and self._order and unit is self._order[-1]
+        if len(unit.modules) == 1 and (not torch.is_grad_enabled() or (
+                self._config.reshard_after_forward and not last)):
+            unit.free()
+        return output
+
+    def _before_backward(self, unit: Unit) -> None:
+        for flat in unit.flats:
+            if flat.live > 0:
+                flat.wait_gather()
+        prev = self._next(unit, -1)
+        if self._config.prefetch and prev is not None and prev.live:
+            prev.start_gather()
+
+    def pre_forward(self) -> None:
+        if self._hooks_on:
+            self.units[-1].bind()  # the root unit stays gathered through the step
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().forward(*args, **kwargs)
+        self._recording = False
+        if torch.is_grad_enabled():
+            root = self.units[-1]
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g, unit=root: self._before_backward(unit))
+        return out
+
+    def after_step(self) -> None:
+        """The shards changed: drop every gathered copy and the graphs' claims on them."""
+        for flat in self.flats:
+            flat.live = 0
+            flat.release()
+
+    # ----- meta-learning and checkpoints ----------------------------------------------
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for flat in self.flats:
+            if flat.shard.requires_grad:
+                full = flat.unsharded(True)
+                out.update((s.fqn, v) for s, v in zip(flat.slots, flat.views(full), strict=True))
+        return out
+
+    def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
+                           **kwargs: Any) -> Any:
+        known = {s.fqn: s for flat in self.flats for s in flat.slots}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ValueError(f"functional_forward got unknown parameter names {unknown}; "
+                             "use the names of model.full_parameters()")
+        saved = []
+        for flat in self.flats:
+            values = [params.get(s.fqn) for s in flat.slots]
+            if any(v is None for v in values):  # not given: this unit's own parameters
+                gathered = flat.views(flat.unsharded(True))
+                values = [g if v is None else v for v, g in zip(values, gathered, strict=True)]
+            for slot, value in zip(flat.slots, values, strict=True):
+                for module, attr in slot.uses:
+                    saved.append((module, attr, module.__dict__.get(attr)))
+                    module.__dict__[attr] = value
+        self._hooks_on = False
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._hooks_on = True
+            for module, attr, old in reversed(saved):
+                module.__dict__[attr] = old
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """Full parameters (gathered: collective) and buffers, keyed as the user's module."""
+        out: dict[str, Any] = {}
+        for flat in self.flats:
+            was_gathered = flat.gathered
+            full = flat.unsharded(False)
+            for slot, view in zip(flat.slots, flat.views(full), strict=True):
+                value = view.detach().to(flat.shard.dtype).clone()
+                for name in (slot.fqn, *slot.aliases):  # tied weights: one entry per name
+                    out[name] = value
+            if not was_gathered and flat.live <= 0:
+                flat._free()
+        out.update((n, b.detach().clone()) for n, b in self.module.named_buffers())
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        names = {n for flat in self.flats for s in flat.slots for n in (s.fqn, *s.aliases)}
+        buffers = dict(self.module.named_buffers())
+        missing = sorted((names | set(buffers)) - set(state_dict))
+        unexpected = sorted(set(state_dict) - names - set(buffers))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected {unexpected}")
+        with torch.no_grad():
+            for flat in self.flats:
+                full = torch.zeros(flat.padded, dtype=flat.shard.dtype)
+                for slot in flat.slots:
+                    if slot.fqn in state_dict:
+                        full[slot.offset:slot.offset + slot.numel] = (
+                            state_dict[slot.fqn].detach().reshape(-1).cpu())
+                lo = flat.rank * flat.shard_size
+                flat.shard.copy_(full[lo:lo + flat.shard_size])
+            for name, buf in buffers.items():
+                if name in state_dict:
+                    buf.copy_(state_dict[name])
+        self.after_step()
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+@register("zero3", "fsdp")
+class Zero3Strategy(Strategy):
+    """ZeRO-3 / fully sharded data parallel with flat, padded per-unit shards."""
+
+    Config = FSDPConfig
+    config: FSDPConfig
+
+    def __init__(self, config: StrategyConfig) -> None:
+        super().__init__(config)
+        self._group_of: dict[int, int] = {}
+
+    def groups(self) -> tuple[Group, Group]:
+        """(group parameters are sharded over, group the shards are replicated over)."""
+        return None, SELF
+
+    def setup(self, model: nn.Module, optimizer: Optimizer | None = None
+              ) -> tuple[DistributedModule, Optimizer]:
+        if optimizer is not None:  # split units by optimizer group (hyperparameters differ)
+            self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups)
+                              for p in g["params"]}
+        return super().setup(model, optimizer)
+
+    def setup_module(self, model: nn.Module) -> ShardedModule:
+        if self.config.sync_batchnorm:
+            model = convert_sync_batchnorm(model)
+        model = model.to(self.device)
+        state = [*model.parameters(), *model.buffers()]
+        if state:
+            with torch.no_grad():
+                fused.fused_broadcast([t.data for t in state], src=0)
+        shard_group, replicate_group = self.groups()
+        coordinator = BackwardCoordinator()
+        units = []
+        plans = plan_units(model, self.config.min_unit_params, tuple(self.config.wrap_classes))
+        for index, plan in enumerate(plans):
+            flats = self._flats(plan, shard_group, replicate_group, coordinator)
+            units.append(Unit(plan, flats, index))
+        return ShardedModule(model, units, self.config)
+
+    def _flats(self, plan: UnitPlan, group: Group, replicate: Group,
+               coordinator: BackwardCoordinator) -> list[FlatParam]:
+        by_key: dict[tuple[Any, ...], dict[int, list[tuple[nn.Module, str, nn.Parameter, str]]]]
+        by_key = {}
+        for module, attr, p, fqn in plan.params:
+            key = (p.dtype, self._group_of.get(id(p), 0), p.requires_grad)
+            by_key.setdefault(key, {}).setdefault(id(p), []).append((module, attr, p, fqn))
+        flats = []
+        for uses_by_param in by_key.values():
+            slots, originals, offset = [], [], 0
+            for uses in uses_by_param.values():
+                p = uses[0][2]
+                slots.append(Slot(uses[0][3], tuple((m, a) for m, a, _, _ in uses), p.shape,
+                                  offset, p.numel(), tuple(u[3] for u in uses[1:])))
+                originals.append(p)
+                offset += p.numel()
+            flats.append(FlatParam(
+                slots, originals, group=group, replicate_group=replicate, device=self.device,
+                offload=self.config.cpu_offload, param_dtype=_dtype(self.config.param_dtype),
+                reduce_dtype=_dtype(self.config.reduce_dtype), scale=self.grad_scale,
+                coordinator=coordinator))
+            for slot, p in zip(slots, originals, strict=True):
+                placeholder = torch.empty(slot.shape, dtype=p.dtype, device="meta")
+                for module, attr in slot.uses:
+                    module._parameters.pop(attr, None)  # now a plain attribute, bound per forward
+                    module.__dict__[attr] = placeholder  # until the unit is first gathered
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the replica
+        return flats
+
+    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+        if not isinstance(module, ShardedModule):
+            raise ValueError("setup_optimizer needs the module returned by this strategy")
+        move_optimizer_state(optimizer)
+        shard_optimizer(optimizer, FlatLayout(module.flats))
+        optimizer.register_step_post_hook(lambda *_: module.after_step())
+        return optimizer
+
+    @contextmanager
+    def no_sync(self, module: DistributedModule) -> Iterator[None]:
+        flats = module.flats if isinstance(module, ShardedModule) else []
+        for flat in flats:
+            flat.sync_grads = False
+        try:
+            yield
+        finally:
+            for flat in flats:
+                flat.sync_grads = True
+
+    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        shards = [p for p in module.parameters() if p.grad is not None]
+        return clip_sharded_grads(shards, max_norm, norm_type, group=self.groups()[0])
+
+
+@register("hsdp")
+class HSDPStrategy(Zero3Strategy):
+    """Hybrid sharding: shard within a node, replicate across nodes (2-D groups)."""
+
+    def groups(self) -> tuple[Group, Group]:
+        return _world.node_group(), _world.cross_node_group()

@@ -1,0 +1,184 @@
+"""Shard the user's optimizer in place: each rank's optimizer steps only the tensors it owns.
+
+The optimizer object the user built stays the one they use: same class, same param-group
+dicts (so LR schedulers bound to it keep working), its per-group hyperparameters untouched.
+Only each group's ``"params"`` list is rebound to this rank's tensors (owned parameters for
+zero1/zero2, flat shards for zero3) and the state is cut to match.
+
+State dicts: ``optimizer.state_dict()`` is this rank's shard (local, tagged with the layout it
+came from); :func:`full_state_dict` consolidates the plain single-process format (collective);
+``optimizer.load_state_dict`` accepts either, so a full checkpoint from any strategy, world
+size or a plain optimizer loads into a sharded one.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from metadist.comm import ops
+
+_TAG = "metadist_shard"
+StateEntry = dict[str, Any]
+
+
+class OptimizerLayout(ABC):
+    """How a strategy spreads an optimizer's parameters over ranks."""
+
+    #: a name that identifies the layout (strategy, world size, partition) in tagged dicts
+    signature: str = ""
+
+    @abstractmethod
+    def local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors this rank steps for a group whose original parameters are ``params``."""
+
+    @abstractmethod
+    def full_state(self, optimizer: Optimizer, original: list[torch.Tensor],
+                   to: int | None) -> dict[int, StateEntry] | None:
+        """Collective: state per original parameter index, on every rank or only on ``to``."""
+
+    @abstractmethod
+    def local_state(self, full: dict[int, StateEntry],
+                    original: list[torch.Tensor]) -> dict[torch.Tensor, StateEntry]:
+        """This rank's state for its tensors, cut from a full state by original index."""
+
+
+@dataclass
+class Sharding:
+    """Attached to a sharded optimizer as ``optimizer.metadist_sharding``."""
+
+    layout: OptimizerLayout
+    original_groups: list[list[torch.Tensor]]
+
+    @property
+    def original(self) -> list[torch.Tensor]:
+        return [p for group in self.original_groups for p in group]
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def shard_optimizer(optimizer: Optimizer, layout: OptimizerLayout) -> Sharding:
+    """Rebind ``optimizer``'s groups to this rank's tensors and cut its state to match."""
+    if hasattr(optimizer, "metadist_sharding"):
+        raise ValueError("this optimizer is already sharded by a strategy; build a new one")
+    original_groups = [list(g["params"]) for g in optimizer.param_groups]
+    sharding = Sharding(layout, original_groups)
+    original = sharding.original
+    existing = {i: dict(optimizer.state[p]) for i, p in enumerate(original)
+                if optimizer.state.get(p)}
+    for group, params in zip(optimizer.param_groups, original_groups, strict=True):
+        group["params"] = layout.local_params(params)
+    optimizer.state = defaultdict(dict)
+    if existing:  # the user stepped before setup: keep that state, cut to this rank
+        optimizer.state.update(layout.local_state(existing, original))
+    optimizer.register_state_dict_post_hook(_tag)
+    optimizer.register_load_state_dict_pre_hook(_to_local)
+    optimizer.metadist_sharding = sharding  # type: ignore[attr-defined]
+    _zero_every_grad(optimizer, original)
+    return sharding
+
+
+def _zero_every_grad(optimizer: Optimizer, original: list[torch.Tensor]) -> None:
+    """``zero_grad`` must still clear the gradients of parameters this rank does not step
+    (zero1 holds averaged gradients of every parameter), with the caller's set_to_none."""
+    local = {id(t) for g in optimizer.param_groups for t in g["params"]}
+    others = [p for p in original if id(p) not in local]
+    if not others:
+        return
+    zero_own = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        zero_own(set_to_none)
+        for p in others:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:  # as torch's zero_grad: gradients may be views (of our buckets)
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _tag(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    sharding: Sharding = optimizer.metadist_sharding  # type: ignore[attr-defined]
+    state_dict[_TAG] = sharding.layout.signature
+    return state_dict
+
+
+def _to_local(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Load hook: a tagged shard of this layout loads as is; anything else is a full dict."""
+    sharding: Sharding = optimizer.metadist_sharding  # type: ignore[attr-defined]
+    state_dict = dict(state_dict)
+    tag = state_dict.pop(_TAG, None)
+    if tag is not None:
+        if tag != sharding.layout.signature:
+            raise ValueError(
+                "this optimizer state is a shard of another layout "
+                f"({tag!r}, here {sharding.layout.signature!r}); save it with "
+                "strategy.optimizer_state_dict(optimizer) (full) to load it elsewhere")
+        return state_dict
+    original = sharding.original
+    groups = state_dict["param_groups"]
+    if [len(g["params"]) for g in groups] != [len(g) for g in sharding.original_groups]:
+        raise ValueError("the optimizer state does not match this model's parameter groups "
+                         f"({[len(g['params']) for g in groups]} parameters per group, here "
+                         f"{[len(g) for g in sharding.original_groups]})")
+    position = {pid: i for i, pid in enumerate(pid for g in groups for pid in g["params"])}
+    full = {position[pid]: entry for pid, entry in state_dict["state"].items()}
+    local = sharding.layout.local_state(full, original)
+    index = {id(t): i for i, t in enumerate(t for g in optimizer.param_groups for t in g["params"])}
+    new_groups, start = [], 0
+    for group, mine in zip(groups, optimizer.param_groups, strict=True):
+        count = len(mine["params"])
+        new_groups.append({**_hyper(group), "params": list(range(start, start + count))})
+        start += count
+    return {"state": {index[id(t)]: entry for t, entry in local.items()},
+            "param_groups": new_groups}
+
+
+def full_state_dict(optimizer: Optimizer, to: int | None = None) -> dict[str, Any] | None:
+    """Consolidate a sharded optimizer's state into the plain single-process format.
+
+    Collective: every rank calls it. Returns the dict on every rank (``to=None``) or only on
+    global rank ``to`` (``None`` elsewhere). An unsharded optimizer returns its own dict.
+    """
+    sharding: Sharding | None = getattr(optimizer, "metadist_sharding", None)
+    if sharding is None:  # replicated: every rank holds it all; a copy, as for shards
+        return copy.deepcopy(optimizer.state_dict())
+    original = sharding.original
+    state = sharding.layout.full_state(optimizer, original, to)
+    if state is None:
+        return None
+    groups, start = [], 0
+    for group, params in zip(optimizer.param_groups, sharding.original_groups, strict=True):
+        groups.append({**_hyper(group), "params": list(range(start, start + len(params)))})
+        start += len(params)
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def gather_entries(local: dict[int, StateEntry], to: int | None) -> dict[int, StateEntry] | None:
+    """Merge per-rank ``{original index: state}`` pieces (moved to CPU) on every rank or one."""
+    # Copies, never aliases of the live state: the result is a checkpoint.
+    cpu = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+               for k, v in e.items()} for i, e in local.items()}
+    pieces = ops.all_gather_object(cpu)
+    rank = ops.group_info(None)[2]
+    if to is not None and rank != to:
+        return None
+    merged: dict[int, StateEntry] = {}
+    for piece in pieces:
+        merged.update(piece)
+    return merged

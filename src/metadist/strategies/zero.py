@@ -1,0 +1,293 @@
+"""``"zero1"`` (optimizer state sharding) and ``"zero2"`` (+ gradient sharding).
+
+Parameters are replicated; each one has an owner rank from a size-balanced partition that is
+contiguous in backward order (so zero2's buckets rarely straddle owners). The optimizer steps
+only owned parameters; afterwards each owner's updated parameters reach everyone in one
+gather over flat per-owner buffers the parameters are views into (no copies).
+
+* zero1: gradients are all-reduced in buckets exactly as in ddp; optimizer state is O/N.
+* zero2: each bucket is reduced to its owner as it fills (overlapping backward) and the other
+  ranks drop those gradients at once: gradients and optimizer state are (G+O)/N. The reduce
+  primitive is chosen per backend by ``comm`` (gloo: an in-place all-reduce, faster there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from metadist.comm import ops
+from metadist.comm.handle import Handle
+from metadist.runtime.world import Group
+from metadist.strategies.base import register
+from metadist.strategies.buckets import Reducer
+from metadist.strategies.ddp import DDPConfig, DDPStrategy, ReplicatedModule, prepare_replicated
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.sharded_optim import (
+    OptimizerLayout,
+    StateEntry,
+    gather_entries,
+    shard_optimizer,
+)
+
+
+def balanced_partition(sizes: list[int], parts: int) -> list[int]:
+    """Owner of each item: ``parts`` contiguous runs minimising the largest run's total."""
+    if not sizes:
+        return []
+
+    def runs(cap: int) -> list[int]:
+        owner, load, out = 0, 0, []
+        for s in sizes:
+            if load and load + s > cap:
+                owner, load = owner + 1, 0
+            out.append(owner)
+            load += s
+        return out
+
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:  # smallest cap that fits in `parts` runs
+        mid = (lo + hi) // 2
+        if runs(mid)[-1] < parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    return runs(lo)
+
+
+class OwnerLayout(OptimizerLayout):
+    """Whole parameters, each stepped by its owner rank."""
+
+    def __init__(self, owner: dict[torch.Tensor, int], rank: int, world_size: int) -> None:
+        self.owner, self.rank = owner, rank
+        counts = [sum(1 for o in owner.values() if o == r) for r in range(world_size)]
+        self.signature = f"owner/{world_size}/{rank}/{counts}"
+
+    def local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p for p in params if self.owner.get(p, self.rank) == self.rank]
+
+    def full_state(self, optimizer: Optimizer, original: list[torch.Tensor],
+                   to: int | None) -> dict[int, StateEntry] | None:
+        local = {i: dict(optimizer.state[p]) for i, p in enumerate(original)
+                 if self.owner.get(p, self.rank) == self.rank and optimizer.state.get(p)}
+        return gather_entries(local, to)
+
+    def local_state(self, full: dict[int, StateEntry],
+                    original: list[torch.Tensor]) -> dict[torch.Tensor, StateEntry]:
+        return {p: dict(full[i]) for i, p in enumerate(original)
+                if self.owner.get(p, self.rank) == self.rank and i in full}
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A contiguous run of one owner's parameters, refreshed by one broadcast."""
+
+    flat: int
+    owner: int
+    start: int
+    length: int
+
+
+class ParamGather:
+    """Replicated parameters laid out in flat per-owner regions, so that after the owners
+    step every rank's copy is refreshed in place with no copies.
+
+    Synchronous: one all-gather per dtype right after ``step()``. Overlapped: one broadcast
+    per piece (a few MiB of one owner's parameters, in forward order) launched after
+    ``step()``; each module waits for its own pieces just before its forward, so the
+    transfer of later layers overlaps the computation of earlier ones.
+    """
+
+    def __init__(self, params: list[nn.Parameter], owners: list[int], world_size: int,
+                 rank: int, piece_bytes: int = 4 << 20) -> None:
+        self.rank = rank
+        self.flats: list[tuple[torch.Tensor, int]] = []  # (flat buffer, region size)
+        self._pending: Handle | None = None
+        where: dict[nn.Parameter, tuple[int, int, int]] = {}  # flat, owner, offset
+        by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[nn.Parameter, int]]] = {}
+        for p, o in zip(params, owners, strict=True):
+            by_kind.setdefault((p.dtype, p.device), []).append((p, o))
+        for index, ((dtype, device), members) in enumerate(by_kind.items()):
+            totals = [sum(p.numel() for p, o in members if o == r) for r in range(world_size)]
+            region = max(totals)
+            flat = torch.zeros(region * world_size, dtype=dtype, device=device)
+            offsets = [r * region for r in range(world_size)]
+            with torch.no_grad():
+                for p, o in members:  # registration order within each owner's region
+                    view = flat[offsets[o]:offsets[o] + p.numel()].view_as(p)
+                    view.copy_(p.data)
+                    p.data = view  # same Parameter object: optimizers keep their references
+                    where[p] = (index, o, offsets[o])
+                    offsets[o] += p.numel()
+            self.flats.append((flat, region))
+        self.pieces: list[_Piece] = []
+        self.pieces_of: dict[nn.Parameter, list[int]] = {}
+        for p in params:  # forward (registration) order
+            index, owner, offset = where[p]
+            last = self.pieces[-1] if self.pieces else None
+            nbytes = p.numel() * p.element_size()
+            if (last is not None and (last.flat, last.owner) == (index, owner)
+                    and last.start + last.length == offset
+                    and (last.length + p.numel()) * p.element_size() <= max(piece_bytes, nbytes)):
+                self.pieces[-1] = _Piece(index, owner, last.start, last.length + p.numel())
+            else:
+                self.pieces.append(_Piece(index, owner, offset, p.numel()))
+            self.pieces_of[p] = [len(self.pieces) - 1]
+        self._piece_handles: list[Handle | None] = [None] * len(self.pieces)
+
+    def gather(self, overlap: bool) -> None:
+        """Refresh everyone's parameters from their owners."""
+        self.wait()
+        if not overlap:
+            for flat, region in self.flats:
+                ops.all_gather(flat, flat.narrow(0, self.rank * region, region))
+            return
+        for i, piece in enumerate(self.pieces):
+            flat = self.flats[piece.flat][0]
+            self._piece_handles[i] = ops.broadcast(
+                flat.narrow(0, piece.start, piece.length), piece.owner, async_op=True)
+
+    def wait_for(self, params: list[nn.Parameter]) -> None:
+        """Finish the broadcasts that carry ``params`` (before they are read)."""
+        for p in params:
+            for i in self.pieces_of.get(p, ()):
+                handle = self._piece_handles[i]
+                if handle is not None:
+                    handle.wait()
+                    self._piece_handles[i] = None
+
+    def wait(self) -> None:
+        """Finish every broadcast in flight."""
+        for i, handle in enumerate(self._piece_handles):
+            if handle is not None:
+                handle.wait()
+                self._piece_handles[i] = None
+
+
+class ZeroModule(ReplicatedModule):
+    """A replicated module whose parameters are refreshed by owners after each step."""
+
+    def __init__(self, module: nn.Module, reducer: Reducer | None, gather: ParamGather | None,
+                 broadcast_buffers: bool, owners: dict[torch.Tensor, int] | None = None) -> None:
+        super().__init__(module, reducer, broadcast_buffers)
+        self.gather = gather
+        self.owners = owners or {}
+        if gather is not None:
+            # With overlapped refreshes, each module waits for its own parameters just before
+            # its forward, and any state_dict of the user's module waits for all of them.
+            for m in module.modules():
+                mine = [p for p in m.parameters(recurse=False) if p in gather.pieces_of]
+                if mine:
+                    m.register_forward_pre_hook(lambda _m, _a, mine=mine: gather.wait_for(mine))
+            module.register_state_dict_pre_hook(lambda *_: gather.wait())
+
+    def wait_params(self) -> None:
+        if self.gather is not None:
+            self.gather.wait()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        self.wait_params()
+        return super().full_parameters()
+
+    def functional_forward(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        self.wait_params()
+        return super().functional_forward(params, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class ZeroConfig(DDPConfig):
+    #: Refresh updated parameters asynchronously after ``step()``: each module waits for its
+    #: own just before its forward (reads through the wrapped module, its state_dict and the
+    #: next step wait for all), so the transfer overlaps the next forward. Off: one blocking
+    #: all-gather inside ``step()``.
+    overlap_param_gather: bool = True
+
+
+class _ZeroStrategy(DDPStrategy):
+    Config = ZeroConfig
+    config: ZeroConfig
+    shard_gradients: ClassVar[bool]
+
+    def setup_module(self, model: nn.Module) -> ZeroModule:
+        model = prepare_replicated(model, self.device, self.config.sync_batchnorm)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        w = self.world
+        if w.world_size == 1:
+            return ZeroModule(model, None, None, False)
+        # Contiguous in backward order (reverse registration), as the reducer's buckets are.
+        order = list(reversed(range(len(trainable))))
+        owner_in_order = balanced_partition([trainable[i].numel() for i in order], w.world_size)
+        owners = [0] * len(trainable)
+        for i, o in zip(order, owner_in_order, strict=True):
+            owners[i] = o
+        gather = ParamGather(trainable, owners, w.world_size, w.rank)
+        reducer = Reducer(trainable, scale=self.grad_scale,
+                          bucket_cap_mb=self.config.bucket_cap_mb,
+                          first_bucket_mb=self.config.first_bucket_mb,
+                          owners=owners if self.shard_gradients else None)
+        return ZeroModule(model, reducer, gather, self.config.broadcast_buffers,
+                          dict(zip(trainable, owners, strict=True)))
+
+    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+        optimizer = super().setup_optimizer(module, optimizer)  # moves state, hooks the reducer
+        if not isinstance(module, ZeroModule) or module.gather is None:
+            return optimizer
+        w = self.world
+        shard_optimizer(optimizer, OwnerLayout(module.owners, w.rank, w.world_size))
+        gather = module.gather
+        overlap = self.config.overlap_param_gather
+        optimizer.register_step_pre_hook(lambda *_: gather.wait())
+        optimizer.register_step_post_hook(lambda *_: gather.gather(overlap))
+        return optimizer
+
+    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        if not (self.shard_gradients and isinstance(module, ZeroModule)
+                and module.reducer is not None):
+            return super().clip_grad_norm_(module, max_norm, norm_type)
+        module.reducer.sync()
+        owned = [p for p in module.parameters() if p.grad is not None
+                 and module.owners.get(p) == self.world.rank]
+        return clip_sharded_grads(owned, max_norm, norm_type)
+
+
+def clip_sharded_grads(grads_of: Sequence[torch.Tensor], max_norm: float,
+                       norm_type: float = 2.0, group: Group = None) -> torch.Tensor:
+    """Clip gradients that are split across the ranks of ``group`` (each rank passes the
+    tensors whose gradients it holds); returns the global norm, identical on every rank."""
+    norm_type = float(norm_type)
+    device = grads_of[0].grad.device if grads_of else torch.device("cpu")  # type: ignore[union-attr]
+    grads = [p.grad.detach() for p in grads_of if p.grad is not None]
+    if norm_type == float("inf"):
+        local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
+        total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+        ops.all_reduce(total, "max", group=group)
+    else:
+        local = sum((g.float().norm(norm_type) ** norm_type for g in grads),
+                    torch.zeros((), device=device))
+        total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+        ops.all_reduce(total, "sum", group=group)
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+@register("zero1")
+class Zero1Strategy(_ZeroStrategy):
+    """ZeRO-1: optimizer state sharded; gradients all-reduced; owners refresh parameters."""
+
+    shard_gradients = False
+
+
+@register("zero2")
+class Zero2Strategy(_ZeroStrategy):
+    """ZeRO-2: optimizer state and gradients sharded; buckets reduced to their owners."""
+
+    shard_gradients = True

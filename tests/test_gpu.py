@@ -1,0 +1,66 @@
+"""CUDA paths: skipped cleanly on machines without a GPU (CI never has one)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import metadist
+from metadist.testing import run_on_ranks
+from parity import ATOL, assert_parity, reference, train_on_rank
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _on_gpu(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    assert metadist.world().device.type == "cuda"
+    got = train_on_rank(strategy, "adam", 1, True, options)
+    return {k: {n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v
+            for k, v in got.items()}
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("ddp", {}),
+    ("zero2", {}),
+    ("zero3", {"min_unit_params": 40}),
+    ("zero3", {"min_unit_params": 40, "cpu_offload": True}),
+])
+def test_strategies_on_one_gpu_match_the_cpu_reference(strategy: str,
+                                                       options: dict[str, Any]) -> None:
+    got = run_on_ranks(_on_gpu, 1, args=(strategy, options), backend=None)[0]
+    assert_parity(got, reference("adam", world=1), f"{strategy} {options} on cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs for NCCL")
+def test_zero3_on_two_gpus_with_nccl() -> None:
+    want = reference("adam", world=2)
+    for got in run_on_ranks(_on_gpu, 2, args=("zero3", {"min_unit_params": 40}), backend=None):
+        assert_parity(got, want, "zero3 nccl")
+
+
+def _bf16() -> float:
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    s = metadist.strategy("zero3", min_unit_params=1, param_dtype="bfloat16",
+                          reduce_dtype="float32")
+    model, opt = s.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    x = torch.randn(32, 64, device=s.device, dtype=torch.bfloat16)
+    first = last = 0.0
+    for i in range(20):
+        opt.zero_grad()
+        loss = model(x).float().square().mean()
+        s.backward(loss)
+        opt.step()
+        first, last = (loss.item(), last) if i == 0 else (first, loss.item())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    return last / first
+
+
+def test_bf16_compute_on_gpu_trains() -> None:
+    assert run_on_ranks(_bf16, 1, backend=None)[0] < 0.5 - ATOL

@@ -24,20 +24,7 @@ from torch import nn
 import metadist
 from benchmarks.common import rotation, table, timed
 from benchmarks.models import param_count, workload
-
-
-def _bytes(tensors: Any) -> int:
-    seen, total = set(), 0
-    for tensor in tensors:
-        if tensor is None or not torch.is_tensor(tensor):
-            continue
-        t = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP2's DTensors
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+from metadist.testing import unique_storage_bytes
 
 
 def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -63,7 +50,9 @@ class Config:
 
     def memory(self) -> tuple[int, int, int]:
         ps = list(self.params())
-        return _bytes(ps), _bytes([p.grad for p in ps]), _bytes(_state(self.opt))
+        grads = [p.grad for p in ps]
+        return (unique_storage_bytes(ps), unique_storage_bytes(grads),
+                unique_storage_bytes(_state(self.opt)))
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:

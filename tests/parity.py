@@ -74,6 +74,13 @@ def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * per:(rank + 1) * per]
 
 
+def local_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the first global batch."""
+    w = metadist.world()
+    x, y = batches(1)[0]
+    return shard(x, w.rank, w.world_size), shard(y, w.rank, w.world_size)
+
+
 def micro(t: torch.Tensor, accumulate: int) -> list[torch.Tensor]:
     return list(t.chunk(accumulate))
 

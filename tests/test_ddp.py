@@ -12,6 +12,7 @@ from metadist.testing import run_on_ranks
 from parity import (
     assert_parity,
     batches,
+    local_batch,
     loss_fn,
     make_net,
     make_optimizer,
@@ -59,9 +60,7 @@ def _reduction_counts() -> tuple[int, int, list[int]]:
     net = make_net()
     s = metadist.strategy("ddp", sync_batchnorm=True, bucket_cap_mb=0.001, first_bucket_mb=0.001)
     model, _ = s.setup(net, make_optimizer("sgd", net.parameters()))
-    x, y = batches(1)[0]
-    w = metadist.world()
-    xs, ys = shard(x, w.rank, w.world_size), shard(y, w.rank, w.world_size)
+    xs, ys = local_batch()
     buckets = len(model.reducer.buckets)
     with stats.counting() as one:
         loss_fn(model(xs), ys).backward()
@@ -83,9 +82,7 @@ def _multi_backward_syncs_once_more() -> tuple[int, int]:
     net = make_net(batchnorm=False)
     s = metadist.strategy("ddp")
     model, opt = s.setup(net, make_optimizer("sgd", net.parameters()))
-    x, y = batches(1)[0]
-    w = metadist.world()
-    xs, ys = shard(x, w.rank, w.world_size), shard(y, w.rank, w.world_size)
+    xs, ys = local_batch()
     buckets = len(model.reducer.buckets)
     with stats.counting() as counted:
         for _ in range(3):

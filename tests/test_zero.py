@@ -13,12 +13,13 @@ import metadist
 from metadist.strategies.fsdp import ShardedModule
 from metadist.strategies.wrap import plan_units
 from metadist.strategies.zero import balanced_partition
-from metadist.testing import run_on_ranks
+from metadist.testing import run_on_ranks, unique_storage_bytes
 from parity import (
     ATOL,
     RTOL,
     assert_parity,
     batches,
+    local_batch,
     loss_fn,
     make_net,
     make_optimizer,
@@ -136,19 +137,6 @@ def test_loading_a_shard_of_another_layout_says_how_to_save() -> None:
 
 # ----- memory at the ZeRO formulas --------------------------------------------------------
 
-def _bytes(tensors: Any) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
-
-
 def _memory(strategy: str) -> dict[str, int]:
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(128, 128) for _ in range(12)])
@@ -168,7 +156,8 @@ def _memory(strategy: str) -> dict[str, int]:
         grads = [p.grad for p in model.parameters()]
         state = [v for st in opt.state.values() for v in st.values()
                  if torch.is_tensor(v) and v.dim() > 0]
-        measured.update(P=_bytes(params), G=_bytes(grads), O=_bytes(state), Psize=psize)
+        measured.update(P=unique_storage_bytes(params), G=unique_storage_bytes(grads),
+                        O=unique_storage_bytes(state), Psize=psize)
 
     for step in range(2):
         opt.zero_grad(set_to_none=False)
@@ -276,9 +265,8 @@ def _clip(strategy: str) -> float:
     s = metadist.strategy(strategy, **SHARDED.get(strategy, {}))
     net = make_net(batchnorm=False)
     model, _ = s.setup(net, make_optimizer("sgd", net.parameters()))
-    x, y = batches(1)[0]
-    w = metadist.world()
-    s.backward(loss_fn(model(shard(x, w.rank, w.world_size)), shard(y, w.rank, w.world_size)))
+    xs, ys = local_batch()
+    s.backward(loss_fn(model(xs), ys))
     return s.clip_grad_norm_(model, 1e9).item()
 
 

@@ -9,7 +9,7 @@ not call :func:`metadist.shutdown`.
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +45,24 @@ def close_pools() -> None:
 
 
 atexit.register(close_pools)
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once;
+    freed storages count zero; FSDP2's DTensors count their local shard): the per-rank
+    memory measure of the ZeRO formulas."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
 
 
 def gather_from_ranks(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -150,10 +150,10 @@ class Reducer:
         self._next = 0
         self._sync_enabled = True
         self._local_unsynced = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        if owners is not None:
-            self._handles += [p.register_hook(self._owner_pre_hook(p)) for p in self.params
-                              if self._bucket_of[p].owner == self._rank]
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            if self._bucket_of[p].owner == self._rank:
+                p.register_hook(self._owner_pre_hook(p))
 
     # ----- hooks -------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -285,8 +285,3 @@ class Reducer:
     def set_sync_enabled(self, enabled: bool) -> bool:
         previous, self._sync_enabled = self._sync_enabled, enabled
         return previous
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

@@ -75,9 +75,8 @@ class FSDPConfig(StrategyConfig):
 class Unit:
     """A set of modules gathered and freed together; owns one or more flat shards."""
 
-    def __init__(self, plan: UnitPlan, flats: list[FlatParam], index: int) -> None:
-        self.modules, self.flats, self.index = plan.modules, flats, index
-        self.is_root = plan.is_root
+    def __init__(self, plan: UnitPlan, flats: list[FlatParam]) -> None:
+        self.modules, self.flats, self.is_root = plan.modules, flats, plan.is_root
 
     def start_gather(self) -> None:
         for flat in self.flats:
@@ -287,9 +286,8 @@ class Zero3Strategy(Strategy):
         coordinator = BackwardCoordinator()
         units = []
         plans = plan_units(model, self.config.min_unit_params, tuple(self.config.wrap_classes))
-        for index, plan in enumerate(plans):
-            flats = self._flats(plan, shard_group, replicate_group, coordinator)
-            units.append(Unit(plan, flats, index))
+        for plan in plans:
+            units.append(Unit(plan, self._flats(plan, shard_group, replicate_group, coordinator)))
         return ShardedModule(model, units, self.config)
 
     def _flats(self, plan: UnitPlan, group: Group, replicate: Group,

@@ -1,6 +1,6 @@
 """Strategies: one file each, one registry, one small interface (see base.py)."""
 
-from metadist.strategies import ddp, dp, fsdp, single, zero
+from metadist.strategies import ddp, dp, fsdp, hsdp, single, zero
 from metadist.strategies.base import Strategy, StrategyConfig, available, register, strategy
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -15,6 +15,7 @@ __all__ = [
     "ddp",
     "dp",
     "fsdp",
+    "hsdp",
     "register",
     "single",
     "strategy",

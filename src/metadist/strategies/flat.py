@@ -9,8 +9,9 @@ are views of (no copies); after use the buffer's storage is freed and re-allocat
 The full buffer enters autograd through :class:`_Unshard`, whose backward reduce-scatters the
 gradient into the shard. With ``create_graph=True`` that backward is built from the
 differentiable collectives, so double backward works; in a plain ``.backward()`` it runs
-asynchronously (overlapping the rest of backward) and the result is accumulated into
-``shard.grad`` when backward ends; inside ``torch.autograd.grad`` it returns the gradient.
+asynchronously (overlapping the next unit's backward) and is accumulated into ``shard.grad``
+when the next one is launched or backward ends; inside ``torch.autograd.grad`` it returns the
+gradient.
 Writes into the full buffer go through ``.data`` so re-gathering for backward never trips
 autograd's version checks on the tensors it saved.
 """

@@ -25,7 +25,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
-import metadist.runtime.world as _world
 from metadist.comm import fused
 from metadist.runtime.world import SELF, Group
 from metadist.strategies.base import Strategy, StrategyConfig, register
@@ -224,7 +223,7 @@ class ShardedModule(DistributedModule):
                 for name in (slot.fqn, *slot.aliases):  # tied weights: one entry per name
                     out[name] = value
             if not was_gathered and flat.live <= 0:
-                flat._free()
+                flat.release()
         out.update((n, b.detach().clone()) for n, b in self.module.named_buffers())
         return out
 
@@ -342,11 +341,3 @@ class Zero3Strategy(Strategy):
                         norm_type: float = 2.0) -> torch.Tensor:
         shards = [p for p in module.parameters() if p.grad is not None]
         return clip_sharded_grads(shards, max_norm, norm_type, group=self.groups()[0])
-
-
-@register("hsdp")
-class HSDPStrategy(Zero3Strategy):
-    """Hybrid sharding: shard within a node, replicate across nodes (2-D groups)."""
-
-    def groups(self) -> tuple[Group, Group]:
-        return _world.node_group(), _world.cross_node_group()

@@ -287,3 +287,43 @@ def test_cpu_offload_keeps_shards_on_the_cpu_and_matches() -> None:
     options = {"min_unit_params": 40, "cpu_offload": True}
     for got in run_on_ranks(train_on_rank, 2, args=("zero3", "adam", 1, True, options)):
         assert_parity(got, want, "zero3 cpu_offload")
+
+
+def _groups_schedule_frozen(strategy: str | None) -> dict[str, torch.Tensor]:
+    """Two param groups with their own hyperparameters, an LR scheduler built on the user's
+    optimizer before setup, and a frozen layer."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    net[0].requires_grad_(False)
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight") and p.requires_grad]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias") and p.requires_grad]
+    opt = torch.optim.AdamW([{"params": weights, "weight_decay": 0.1},
+                             {"params": biases, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    model: Any = net
+    s = None
+    if strategy is not None:
+        options = {"min_unit_params": 10} if strategy == "zero3" else {}
+        s = metadist.strategy(strategy, **options)
+        model, opt = s.setup(net, opt)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(10):
+        x, y = torch.randn(12, 6, generator=g), torch.randn(12, 2, generator=g)
+        if s is not None:
+            x, y = shard(x, s.world.rank, s.world.world_size), shard(y, s.world.rank,
+                                                                     s.world.world_size)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[1]["lr"] == 5e-3 * 0.5**3
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_param_groups_schedulers_and_frozen_layers(strategy: str) -> None:
+    want = _groups_schedule_frozen(None)
+    for got in run_on_ranks(_groups_schedule_frozen, 3, args=(strategy,)):
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, k=k: f"{k}: {m}")

@@ -14,9 +14,11 @@ from metadist.runtime.ranks import (
     get_logger,
     not_on_rank,
     on_rank,
-    print,
     rank_non_zero_only,
     rank_zero_only,
+)
+from metadist.runtime.ranks import (
+    print as print,  # re-exported (a redundant alias tells linters so)
 )
 from metadist.runtime.spawn import RankPool, launch
 from metadist.runtime.world import (
@@ -39,6 +41,8 @@ def barrier() -> None:
     _barrier()
 
 
+# `print` is public as metadist.print but left out of __all__: a star import must not shadow
+# the builtin.
 __all__ = [
     "SELF",
     "CollectiveMismatchError",
@@ -62,7 +66,6 @@ __all__ = [
     "node_group",
     "not_on_rank",
     "on_rank",
-    "print",
     "rank_non_zero_only",
     "rank_zero_only",
     "shutdown",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -23,18 +24,28 @@ from benchmarks.common import rotation, table, timed
 from benchmarks.models import param_count, workload
 from metadist.comm import stats
 
+Phases = dict[str, list[float]]
+
 
 def _stepper(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable,
-             backward: Callable[[torch.Tensor], None]) -> Callable[[], None]:  # type: ignore[type-arg]
+             backward: Callable[[torch.Tensor], None],  # type: ignore[type-arg]
+             phases: Phases) -> Callable[[], None]:
+    """One training step; also records this rank's forward / backward / step durations."""
     state = {"i": 0}
 
     def step() -> None:
         x, y = batches[state["i"] % len(batches)]
         state["i"] += 1
+        t0 = time.perf_counter()
         loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
         backward(loss)
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        t3 = time.perf_counter()
+        for key, value in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
+            phases.setdefault(key, []).append(value)
 
     return step
 
@@ -45,18 +56,21 @@ def _body(name: str, steps: int, warmup: int, options: dict[str, float]) -> dict
     factory, data, loss_fn = workload(name)
     batches = data(metadist.world().rank)
     configs: dict[str, Callable[[], None]] = {}
+    phases: dict[str, Phases] = {k: {} for k in ("no-comm bound", "torch DDP", "metadist ddp")}
 
     local = factory()
     configs["no-comm bound"] = _stepper(local, torch.optim.Adam(local.parameters(), lr=1e-4),
-                                        batches, loss_fn, lambda t: t.backward())
+                                        batches, loss_fn, lambda t: t.backward(),
+                                        phases["no-comm bound"])
     torch_model = factory()
     ddp = DistributedDataParallel(torch_model)
     configs["torch DDP"] = _stepper(ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4), batches,
-                                    loss_fn, lambda t: t.backward())
+                                    loss_fn, lambda t: t.backward(), phases["torch DDP"])
     ours = factory()
     strategy = metadist.strategy("ddp", **options)
     model, opt = strategy.setup(ours, torch.optim.Adam(ours.parameters(), lr=1e-4))
-    configs["metadist ddp"] = _stepper(model, opt, batches, loss_fn, strategy.backward)
+    configs["metadist ddp"] = _stepper(model, opt, batches, loss_fn, strategy.backward,
+                                       phases["metadist ddp"])
 
     samples: dict[str, list[float]] = {k: [] for k in configs}
     traffic = None
@@ -73,6 +87,8 @@ def _body(name: str, steps: int, warmup: int, options: dict[str, float]) -> dict
                 samples[key].append(t)
     assert traffic is not None
     return {"median": {k: statistics.median(v) for k, v in samples.items()},
+            "phases": {k: {ph: statistics.median(v[warmup:]) for ph, v in p.items()}
+                       for k, p in phases.items()},
             "params": param_count(local), "calls": traffic.calls,
             "bytes": traffic.ops["all_reduce"].bytes, "wire": traffic.wire_bytes}
 
@@ -122,6 +138,14 @@ def main() -> None:
                      ours * 1e3, ours / torch_ddp, torch_ddp / bound, ours / bound))
     print(table(["workload", "no-comm ms", "torch DDP ms", "metadist ddp ms",
                  "ours / torch", "torch / bound", "ours / bound"], rows))
+    print()
+    rows = []
+    for name, res in results.items():
+        for config, ph in res["phases"].items():
+            rows.append((name, config, ph["forward"] * 1e3, ph["backward"] * 1e3,
+                         ph["step"] * 1e3))
+    print(table(["workload", "configuration", "forward ms", "backward ms (incl. sync)",
+                 "optimizer ms"], rows))
     print()
     rows = []
     for name, res in results.items():

@@ -223,3 +223,15 @@ def _large_reduce_scatter() -> tuple[bool, bool, bool]:
 def test_ring_reduce_scatter_on_large_inputs(n: int) -> None:
     for close, untouched, scratch_close in run_on_ranks(_large_reduce_scatter, n):
         assert close and untouched and scratch_close
+
+
+def _empty_rows() -> tuple[list[int], list[int]]:
+    full = torch.empty(0)
+    comm.all_gather(full, torch.empty(0))
+    piece = torch.empty(0)
+    comm.reduce_scatter(piece, torch.empty(0))
+    return list(full.shape), list(piece.shape)
+
+
+def test_empty_tensors_pass_through_the_gloo_algorithms() -> None:
+    assert run_on_ranks(_empty_rows, 2) == [([0], [0]), ([0], [0])]

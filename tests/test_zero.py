@@ -327,3 +327,21 @@ def test_param_groups_schedulers_and_frozen_layers(strategy: str) -> None:
         for k, v in want.items():
             torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _consolidate_on_rank_one(strategy: str) -> tuple[bool, int]:
+    s = metadist.strategy(strategy, **SHARDED[strategy])
+    net = make_net(batchnorm=False)
+    model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
+    xs, ys = local_batch()
+    s.backward(loss_fn(model(xs), ys))
+    opt.step()
+    full = s.optimizer_state_dict(opt, to=1)
+    return full is None, len(full["state"]) if full is not None else -1
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero3"])
+def test_consolidating_onto_one_rank(strategy: str) -> None:
+    out = run_on_ranks(_consolidate_on_rank_one, 3, args=(strategy,))
+    assert [none for none, _ in out] == [True, False, True]
+    assert out[1][1] == 4  # inp and out weights and biases; the unused branch has no state

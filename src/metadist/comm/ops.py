@@ -156,11 +156,6 @@ def _divider(tensor: torch.Tensor, size: int) -> Callable[[], None]:
     return finish
 
 
-def _chunks(t: torch.Tensor, size: int) -> list[torch.Tensor]:
-    m = t.shape[0] // size
-    return [t.narrow(0, r * m, m) for r in range(size)]
-
-
 def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", *, group: Group = None,
                async_op: bool = False) -> Handle:
     """Reduce ``tensor`` across the group, result on every rank (in place)."""
@@ -222,7 +217,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None
             output.copy_(input)
         return Handle(output)
     if impl == "auto" and str(dist.get_backend(pg)) == "gloo":
-        chunks = _chunks(output, size)
+        chunks = ring.rows(output, size)
         if chunks[rank].data_ptr() != input.data_ptr():
             chunks[rank].copy_(input)
         if size == 2:  # one exchange
@@ -263,7 +258,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
     scale = 1.0 / size if op == "mean" else None
     if impl == "auto" and str(dist.get_backend(pg)) == "gloo" and op in ("sum", "mean"):
         scratch = input if input_is_scratch else input.clone()
-        mine = _chunks(scratch, size)[rank]
+        mine = ring.rows(scratch, size)[rank]
         use_ring = _nbytes(input) >= RING_MIN_BYTES and input.is_contiguous()
 
         def finish() -> None:
@@ -362,6 +357,16 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Group = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=_global(pg, group, src), group=pg)
     return box[0]
+
+
+def gather_object(obj: Any, dst: int = 0, *, group: Group = None) -> list[Any] | None:
+    """Every rank's picklable ``obj`` on group rank ``dst`` (``None`` elsewhere)."""
+    pg, size, rank = group_info(group)
+    if pg is None or size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * size if rank == dst else None
+    dist.gather_object(obj, out, dst=_global(pg, group, dst), group=pg)
+    return out
 
 
 def all_gather_object(obj: Any, *, group: Group = None) -> list[Any]:

@@ -48,6 +48,12 @@ class StepHandle(Handle):
         return self._result
 
 
+def rows(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``size`` equal dim-0 pieces of ``t`` (``chunk`` returns fewer for empty tensors)."""
+    m = t.shape[0] // size
+    return [t.narrow(0, r * m, m) for r in range(size)]
+
+
 def _peer(pg: dist.ProcessGroup, group_rank: int) -> int:
     return dist.get_global_rank(pg, group_rank) if pg is not dist.group.WORLD else group_rank
 
@@ -57,7 +63,7 @@ def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.Process
     """Sum over ranks of dim-0 chunk ``rank`` of ``scratch`` into ``output``; overwrites
     ``scratch``."""
     tag = next(_tags)
-    chunks = list(scratch.chunk(size))
+    chunks = rows(scratch, size)
     nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
 
     def steps() -> Iterator[list[Any]]:
@@ -77,7 +83,7 @@ def all_gather(output: torch.Tensor, pg: dist.ProcessGroup, size: int,
                rank: int) -> StepHandle:
     """Fill every dim-0 chunk of ``output`` from its owner; chunk ``rank`` is already ours."""
     tag = next(_tags)
-    chunks = list(output.chunk(size))
+    chunks = rows(output, size)
     nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
 
     def steps() -> Iterator[list[Any]]:

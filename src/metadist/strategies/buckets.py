@@ -122,7 +122,6 @@ class Reducer:
         self._scale = scale
         self._group = group
         self._rank = ops.group_info(group)[2]
-        self._owners = owners
         plan = plan_buckets(self.params, int(bucket_cap_mb * 2**20),
                             int(first_bucket_mb * 2**20), owners)
         self.buckets: list[Bucket] = []

@@ -174,9 +174,8 @@ def gather_entries(local: dict[int, StateEntry], to: int | None) -> dict[int, St
     # Copies, never aliases of the live state: the result is a checkpoint.
     cpu = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
                for k, v in e.items()} for i, e in local.items()}
-    pieces = ops.all_gather_object(cpu)
-    rank = ops.group_info(None)[2]
-    if to is not None and rank != to:
+    pieces = ops.all_gather_object(cpu) if to is None else ops.gather_object(cpu, to)
+    if pieces is None:
         return None
     merged: dict[int, StateEntry] = {}
     for piece in pieces:

@@ -9,10 +9,11 @@ frozen dataclass of options; registering it here makes its name (and aliases) av
 from __future__ import annotations
 
 import dataclasses
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -22,8 +23,12 @@ from torch.utils.data import DataLoader
 import metadist.runtime.world as _world
 from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
+from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
 from metadist.strategies.module import DistributedModule
+
+if TYPE_CHECKING:  # checkpoint/ imports strategies, so only a lazy import at run time
+    from metadist.checkpoint.activation import CheckpointPolicy
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _ALIASES: dict[str, str] = {}
@@ -74,6 +79,18 @@ class StrategyConfig:
 
     #: Convert BatchNorm layers to metadist's cross-rank SyncBatchNorm (CPU and GPU).
     sync_batchnorm: bool = False
+    #: "32-true", "bf16-mixed", "16-mixed" (with a rank-synchronised loss scaler) or
+    #: "bf16-true"; see metadist.precision.
+    precision: str = "32-true"
+    #: dtype gradients are communicated in (e.g. "bfloat16": half the bytes); default: theirs.
+    reduce_dtype: str | torch.dtype | None = None
+    #: Recompute activations in backward for submodules of these classes (or selected by a
+    #: predicate module -> bool); applied before sharding, so it composes with zero3.
+    activation_checkpointing: CheckpointPolicy | None = None
+
+    def __post_init__(self) -> None:
+        Precision(self.precision)  # validates the name
+        parse_dtype(self.reduce_dtype)
 
 
 class Strategy(ABC):
@@ -85,6 +102,18 @@ class Strategy(ABC):
     def __init__(self, config: StrategyConfig) -> None:
         self.config = config
         self._batch_weight: tuple[float, float] | None = None
+        #: The loss scaler of precision="16-mixed" (None otherwise); save it in checkpoints.
+        self.scaler: LossScaler | None = (LossScaler() if config.precision == "16-mixed"
+                                          else None)
+
+    @property
+    def precision(self) -> Precision:
+        """The precision policy on this strategy's device."""
+        return Precision(self.config.precision, self.device.type)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        return parse_dtype(self.config.reduce_dtype)
 
     # ----- who and where ---------------------------------------------------------------
     @property
@@ -114,13 +143,34 @@ class Strategy(ABC):
                              "call strategy.setup_module(model)")
         return module, self.setup_optimizer(module, optimizer)
 
-    @abstractmethod
     def setup_module(self, model: nn.Module) -> DistributedModule:
-        """Wrap ``model`` for this strategy."""
+        """Apply the precision and activation-checkpointing options, then wrap ``model`` for
+        this strategy (the forward runs under the precision's autocast)."""
+        precision = self.precision
+        precision.check()
+        model = precision.convert_module(model)
+        if self.config.activation_checkpointing is not None:
+            from metadist.checkpoint.activation import apply_activation_checkpointing
 
-    @abstractmethod
+            model = apply_activation_checkpointing(model, self.config.activation_checkpointing)
+        module = self._setup_module(model)
+        module.precision = precision
+        return module
+
     def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         """Adapt ``optimizer``, built on ``module.module``'s parameters, to this strategy."""
+        optimizer = self._setup_optimizer(module, optimizer)
+        if self.scaler is not None:
+            self.scaler.attach(optimizer)  # after the strategy's hooks: gradients are synced
+        return optimizer
+
+    @abstractmethod
+    def _setup_module(self, model: nn.Module) -> DistributedModule:
+        """Wrap ``model`` (already converted for precision) for this strategy."""
+
+    @abstractmethod
+    def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+        """The strategy's own optimizer adaptation (sharding, step hooks)."""
 
     def setup_dataloader(self, loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any]:
         """Re-create ``loader`` so each rank reads its share of every global batch."""
@@ -149,7 +199,10 @@ class Strategy(ABC):
         return local / total
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        """``loss.backward()``; plain ``loss.backward()`` works too."""
+        """``loss.backward()``, scaled under precision="16-mixed" (where it is required);
+        with other precisions plain ``loss.backward()`` works too."""
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
         loss.backward(*args, **kwargs)
 
     @contextmanager
@@ -159,7 +212,16 @@ class Strategy(ABC):
 
     def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the synchronised gradients to ``max_norm``; returns the global norm."""
+        """Clip the synchronised gradients to ``max_norm``; returns the global norm.
+
+        Under "16-mixed" the gradients still carry the loss scale here: clipping them to
+        ``max_norm * scale`` is the same clip, and the norm is reported unscaled.
+        """
+        scale = self.scaler.current_scale() if self.scaler is not None else 1.0
+        return self._clip_grad_norm(module, max_norm * scale, norm_type) / scale
+
+    def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
+                        norm_type: float) -> torch.Tensor:
         params = [p for p in module.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
@@ -187,6 +249,23 @@ class Strategy(ABC):
         from metadist.strategies.sharded_optim import full_state_dict
 
         return full_state_dict(optimizer, to)
+
+    # ----- checkpoints -------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], state: dict[str, Any], *,
+             format: str = "sharded") -> None:
+        """Save ``state`` (module, optimizer, scheduler, scaler, loader, plain values) to
+        ``path``: ``"sharded"`` (every rank writes its shard) or ``"full"`` (one file from
+        rank 0). Collective; atomic. See :mod:`metadist.checkpoint`."""
+        from metadist import checkpoint
+
+        checkpoint.save(self, path, state, format=format)
+
+    def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
+        """Restore ``state`` in place from a checkpoint of either format, written by any
+        strategy at any world size; returns the plain values it held. Collective."""
+        from metadist import checkpoint
+
+        return checkpoint.load(self, path, state)
 
     def barrier(self) -> None:
         ops.barrier()

@@ -60,6 +60,17 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     pending: int = 0
     handle: Handle | None = None
+    wire: torch.Tensor | None = None  # a reduce_dtype copy of the buffer while in flight
+
+    def wait(self) -> None:
+        """Finish the collective; copy a reduce_dtype result back into the buffer."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        if self.wire is not None:
+            if self.persistent and self.buffer is not None:
+                self.buffer.copy_(self.wire)
+            self.wire = None
 
     @property
     def size(self) -> int:
@@ -117,9 +128,11 @@ class Reducer:
 
     def __init__(self, params: Sequence[nn.Parameter], *, scale: Callable[[], float],
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 owners: Sequence[int] | None = None, group: Group = None) -> None:
+                 owners: Sequence[int] | None = None, group: Group = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.params = list(params)
         self._scale = scale
+        self._reduce_dtype = reduce_dtype
         self._group = group
         self._rank = ops.group_info(group)[2]
         plan = plan_buckets(self.params, int(bucket_cap_mb * 2**20),
@@ -212,9 +225,7 @@ class Reducer:
         """Finish other owners' buckets in flight beyond the newest ``keep``."""
         while len(self._in_flight) > keep:
             b = self._in_flight.popleft()
-            if b.handle is not None:
-                b.handle.wait()
-                b.handle = None
+            b.wait()
             storage = b.release()
             if storage is not None and len(self._pool) < 2:
                 self._pool.append(storage._base if storage._base is not None else storage)
@@ -244,6 +255,9 @@ class Reducer:
                 grads.zero_()  # a stand-in batch: contributes nothing, not even NaN
             elif scale != 1.0:
                 grads.mul_(scale)
+        if self._reduce_dtype is not None and self._reduce_dtype != buf.dtype:
+            # scaled above, so a low-precision sum of per-rank shares does not overflow
+            b.wire = buf = buf.to(self._reduce_dtype)
         if b.owner is None:
             b.handle = ops.all_reduce(buf, "sum", group=self._group, async_op=True)
         else:
@@ -258,8 +272,7 @@ class Reducer:
             if not b.persistent:
                 continue
             assert b.handle is not None and b.buffer is not None
-            b.handle.wait()
-            b.handle = None
+            b.wait()
             used = (b.buffer[b.numel:] > 0).tolist()
             for p, view, was_used in zip(b.params, b.views, used, strict=True):
                 if was_used:

@@ -29,6 +29,7 @@ class DDPConfig(StrategyConfig):
     broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
             raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
 
@@ -83,17 +84,18 @@ class DDPStrategy(Strategy):
     Config = DDPConfig
     config: DDPConfig
 
-    def setup_module(self, model: nn.Module) -> ReplicatedModule:
+    def _setup_module(self, model: nn.Module) -> ReplicatedModule:
         model = prepare_replicated(model, self.device, self.config.sync_batchnorm)
         trainable = [p for p in model.parameters() if p.requires_grad]
         reducer = None
         if self.world.world_size > 1:
             reducer = Reducer(trainable, scale=self.grad_scale,
                               bucket_cap_mb=self.config.bucket_cap_mb,
-                              first_bucket_mb=self.config.first_bucket_mb)
+                              first_bucket_mb=self.config.first_bucket_mb,
+                              reduce_dtype=self.reduce_dtype)
         return ReplicatedModule(model, reducer, self.config.broadcast_buffers)
 
-    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+    def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         move_optimizer_state(optimizer)
         if isinstance(module, ReplicatedModule) and module.reducer is not None:
             hook_reducer(optimizer, module.reducer)
@@ -111,9 +113,9 @@ class DDPStrategy(Strategy):
         finally:
             reducer.set_sync_enabled(previous)
 
-    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+    def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
+                        norm_type: float) -> torch.Tensor:
         reducer = getattr(module, "reducer", None)
         if reducer is not None:
             reducer.sync()
-        return super().clip_grad_norm_(module, max_norm, norm_type)
+        return super()._clip_grad_norm(module, max_norm, norm_type)

@@ -27,6 +27,9 @@ class DataParallelModule(DistributedModule):
         self.device_ids = device_ids
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self._scatter_apply, args, kwargs)
+
+    def _scatter_apply(self, *args: Any, **kwargs: Any) -> Any:
         inputs, kw = scatter_kwargs(args, kwargs, self.device_ids, dim=0)
         if not inputs:  # nothing to split (no tensor arguments): run on the first device
             return self.module(*args, **kwargs)
@@ -52,10 +55,10 @@ class DataParallelStrategy(Strategy):
                 "visible; use metadist.strategy('ddp') (one process per device, CPU included)")
         return list(range(count))
 
-    def setup_module(self, model: nn.Module) -> DistributedModule:
+    def _setup_module(self, model: nn.Module) -> DistributedModule:
         ids = self._device_ids()
         return DataParallelModule(model.to(torch.device("cuda", ids[0])), ids)
 
-    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+    def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         move_optimizer_state(optimizer)
         return optimizer

@@ -26,25 +26,20 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
 from metadist.comm import fused
+from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
 from metadist.strategies.base import Strategy, StrategyConfig, register
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.flat import BackwardCoordinator, FlatLayout, FlatParam, Slot
-from metadist.strategies.module import DistributedModule
+from metadist.strategies.module import (
+    DistributedModule,
+    explicit_parameters,
+    explicit_parameters_active,
+)
 from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
-from metadist.strategies.wrap import UnitPlan, plan_units
+from metadist.strategies.wrap import UnitPlan, plan_units, state_dict_key
 from metadist.strategies.zero import clip_sharded_grads
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if value not in DTYPES:
-        raise ValueError(f"dtype {value!r} is not known; choose one of: {', '.join(DTYPES)}")
-    return DTYPES[value]
 
 
 @dataclass(frozen=True)
@@ -60,13 +55,13 @@ class FSDPConfig(StrategyConfig):
     #: Keep shards, gradients and optimizer state in CPU memory; compute on the device.
     cpu_offload: bool = False
     #: dtype the parameters are gathered and computed in (e.g. "bfloat16"); shards keep theirs.
+    #: (FSDP-style mixed precision; ``precision="bf16-mixed"`` autocasts instead.)
+    #: Gradients are reduced in ``reduce_dtype`` (default: this compute dtype).
     param_dtype: str | torch.dtype | None = None
-    #: dtype gradients are reduced in (default: the compute dtype).
-    reduce_dtype: str | torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        _dtype(self.param_dtype)
-        _dtype(self.reduce_dtype)
+        super().__post_init__()
+        parse_dtype(self.param_dtype)
         if self.min_unit_params < 1:
             raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params}")
 
@@ -108,7 +103,6 @@ class ShardedModule(DistributedModule):
         self._config = config
         self._order: list[Unit] = []  # forward order, recorded on the first forward
         self._recording = True
-        self._hooks_on = True
         self._handles: list[Any] = []
         for unit in units:
             if unit.is_root:
@@ -127,7 +121,7 @@ class ShardedModule(DistributedModule):
         return self._order[i] if 0 <= i < len(self._order) else None
 
     def _before(self, unit: Unit) -> None:
-        if not self._hooks_on:
+        if explicit_parameters_active():  # functional_forward bound the parameters itself
             return
         if self._recording and unit not in self._order:
             self._order.append(unit)
@@ -137,7 +131,7 @@ class ShardedModule(DistributedModule):
             nxt.start_gather()
 
     def _after(self, unit: Unit, output: Any) -> Any:
-        if not self._hooks_on:
+        if explicit_parameters_active():
             return output
         if torch.is_grad_enabled():
             for t in tree_leaves(output):
@@ -159,7 +153,7 @@ class ShardedModule(DistributedModule):
             prev.start_gather()
 
     def pre_forward(self) -> None:
-        if self._hooks_on:
+        if not explicit_parameters_active():
             self.units[-1].bind()  # the root unit stays gathered through the step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -204,11 +198,10 @@ class ShardedModule(DistributedModule):
                 for module, attr in slot.uses:
                     saved.append((module, attr, module.__dict__.get(attr)))
                     module.__dict__[attr] = value
-        self._hooks_on = False
         try:
-            return self.module(*args, **kwargs)
+            with explicit_parameters():
+                return self.run(self.module, args, kwargs)
         finally:
-            self._hooks_on = True
             for module, attr, old in reversed(saved):
                 module.__dict__[attr] = old
 
@@ -221,16 +214,18 @@ class ShardedModule(DistributedModule):
             for slot, view in zip(flat.slots, flat.views(full), strict=True):
                 value = view.detach().to(flat.shard.dtype).clone()
                 for name in (slot.fqn, *slot.aliases):  # tied weights: one entry per name
-                    out[name] = value
+                    out[state_dict_key(name)] = value
             if not was_gathered and flat.live <= 0:
                 flat.release()
-        out.update((n, b.detach().clone()) for n, b in self.module.named_buffers())
+        out.update((state_dict_key(n), b.detach().clone())
+                   for n, b in self.module.named_buffers())
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        names = {n for flat in self.flats for s in flat.slots for n in (s.fqn, *s.aliases)}
-        buffers = dict(self.module.named_buffers())
+        names = {state_dict_key(n) for flat in self.flats for s in flat.slots
+                 for n in (s.fqn, *s.aliases)}
+        buffers = {state_dict_key(n): b for n, b in self.module.named_buffers()}
         missing = sorted((names | set(buffers)) - set(state_dict))
         unexpected = sorted(set(state_dict) - names - set(buffers))
         if strict and (missing or unexpected):
@@ -239,9 +234,10 @@ class ShardedModule(DistributedModule):
             for flat in self.flats:
                 full = torch.zeros(flat.padded, dtype=flat.shard.dtype)
                 for slot in flat.slots:
-                    if slot.fqn in state_dict:
+                    key = state_dict_key(slot.fqn)
+                    if key in state_dict:
                         full[slot.offset:slot.offset + slot.numel] = (
-                            state_dict[slot.fqn].detach().reshape(-1).cpu())
+                            state_dict[key].detach().reshape(-1).cpu())
                 lo = flat.rank * flat.shard_size
                 flat.shard.copy_(full[lo:lo + flat.shard_size])
             for name, buf in buffers.items():
@@ -273,7 +269,7 @@ class Zero3Strategy(Strategy):
                               for p in g["params"]}
         return super().setup(model, optimizer)
 
-    def setup_module(self, model: nn.Module) -> ShardedModule:
+    def _setup_module(self, model: nn.Module) -> ShardedModule:
         if self.config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         model = model.to(self.device)
@@ -307,8 +303,8 @@ class Zero3Strategy(Strategy):
                 offset += p.numel()
             flats.append(FlatParam(
                 slots, originals, group=group, replicate_group=replicate, device=self.device,
-                offload=self.config.cpu_offload, param_dtype=_dtype(self.config.param_dtype),
-                reduce_dtype=_dtype(self.config.reduce_dtype), scale=self.grad_scale,
+                offload=self.config.cpu_offload, param_dtype=parse_dtype(self.config.param_dtype),
+                reduce_dtype=self.reduce_dtype, scale=self.grad_scale,
                 coordinator=coordinator))
             for slot, p in zip(slots, originals, strict=True):
                 placeholder = torch.empty(slot.shape, dtype=p.dtype, device="meta")
@@ -318,7 +314,7 @@ class Zero3Strategy(Strategy):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the replica
         return flats
 
-    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+    def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         if not isinstance(module, ShardedModule):
             raise ValueError("setup_optimizer needs the module returned by this strategy")
         move_optimizer_state(optimizer)
@@ -337,7 +333,7 @@ class Zero3Strategy(Strategy):
             for flat in flats:
                 flat.sync_grads = True
 
-    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+    def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
+                        norm_type: float) -> torch.Tensor:
         shards = [p for p in module.parameters() if p.grad is not None]
         return clip_sharded_grads(shards, max_norm, norm_type, group=self.groups()[0])

@@ -9,12 +9,34 @@ runs the module with any such dictionary (e.g. weights adapted in an inner loop)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from metadist.precision import Precision
+
+_EXPLICIT: ContextVar[bool] = ContextVar("metadist_explicit_parameters", default=False)
+
+
+@contextmanager
+def explicit_parameters(active: bool = True) -> Iterator[None]:
+    """Mark a forward that runs on explicitly bound parameters (``functional_forward``):
+    strategies must not rebind their own inside it. Activation checkpointing re-enters this
+    state when it recomputes such a forward during backward."""
+    token = _EXPLICIT.set(active)
+    try:
+        yield
+    finally:
+        _EXPLICIT.reset(token)
+
+
+def explicit_parameters_active() -> bool:
+    return _EXPLICIT.get()
 
 
 class DistributedModule(nn.Module):
@@ -23,13 +45,28 @@ class DistributedModule(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        #: set by the strategy: autocast and input/output casts around every forward
+        self.precision = Precision()
 
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
 
+    def wait_params(self) -> None:
+        """Finish any in-flight parameter refresh (zero1/zero2 overlap it with the next
+        forward). Reads through this wrapper wait by themselves; call it before reading
+        ``model.module``'s parameters directly right after ``optimizer.step()``."""
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` under this module's precision policy."""
+        policy = self.precision
+        args, kwargs = policy.cast_inputs((args, kwargs))
+        with policy.autocast():
+            out = fn(*args, **kwargs)
+        return policy.cast_outputs(out)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.pre_forward()
-        return self.module(*args, **kwargs)
+        return self.run(self.module, args, kwargs)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter of the user's module, by its own name, as a tensor that
@@ -41,7 +78,9 @@ class DistributedModule(nn.Module):
         """Run the module with ``params`` (names as in :meth:`full_parameters`) in place of
         its own; parameters and buffers not named keep their current values."""
         self.pre_forward()
-        return functional_call(self.module, dict(params), args, kwargs)
+        with explicit_parameters():
+            return self.run(lambda *a, **k: functional_call(self.module, dict(params), a, k),
+                            args, kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.state_dict(*args, **kwargs)

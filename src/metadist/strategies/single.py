@@ -15,11 +15,11 @@ from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
 class SingleStrategy(Strategy):
     """No distribution: moves the model to the device and otherwise stays out of the way."""
 
-    def setup_module(self, model: nn.Module) -> DistributedModule:
+    def _setup_module(self, model: nn.Module) -> DistributedModule:
         if self.config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         return ReplicatedModule(model.to(self.device), None, broadcast_buffers=False)
 
-    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+    def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         move_optimizer_state(optimizer)
         return optimizer

@@ -15,6 +15,22 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+#: The attribute of checkpoint/activation.py's wrapper that holds the wrapped module. A unit is
+#: formed from the wrapped module, never from the wrapper: recomputation in backward reruns
+#: only what is inside the wrapper, so the unit's gather hooks must sit inside it too.
+CHECKPOINTED = "checkpointed"
+
+
+def state_dict_key(name: str) -> str:
+    """A parameter or buffer name as state dicts spell it (checkpoint-wrapper segments
+    removed, so checkpoints load with and without activation checkpointing)."""
+    return f".{name}".replace(f".{CHECKPOINTED}.", ".")[1:]
+
+
+def _inside_wrapper(m: nn.Module) -> nn.Module:
+    inner = m._modules.get(CHECKPOINTED) if getattr(m, "is_checkpoint_wrapper", False) else None
+    return inner if inner is not None else m
+
 
 @dataclass
 class UnitPlan:
@@ -52,8 +68,8 @@ def plan_units(root: nn.Module, min_params: int,
                    and id(p) not in shared)
 
     def claim(members: list[nn.Module]) -> None:
-        plan = UnitPlan(members)
-        for member in members:
+        plan = UnitPlan([_inside_wrapper(m) for m in members])
+        for member in plan.modules:
             for m in member.modules():
                 for name, p in _direct_params(m):
                     if id(p) not in claimed and id(p) not in shared:

@@ -13,7 +13,7 @@ gather over flat per-owner buffers the parameters are views into (no copies).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -190,6 +190,10 @@ class ZeroModule(ReplicatedModule):
         if self.gather is not None:
             self.gather.wait()
 
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        self.wait_params()  # model.parameters() after step() must not see pre-step values
+        return super().named_parameters(*args, **kwargs)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         self.wait_params()
         return super().full_parameters()
@@ -213,7 +217,7 @@ class _ZeroStrategy(DDPStrategy):
     config: ZeroConfig
     shard_gradients: ClassVar[bool]
 
-    def setup_module(self, model: nn.Module) -> ZeroModule:
+    def _setup_module(self, model: nn.Module) -> ZeroModule:
         model = prepare_replicated(model, self.device, self.config.sync_batchnorm)
         trainable = [p for p in model.parameters() if p.requires_grad]
         w = self.world
@@ -229,12 +233,13 @@ class _ZeroStrategy(DDPStrategy):
         reducer = Reducer(trainable, scale=self.grad_scale,
                           bucket_cap_mb=self.config.bucket_cap_mb,
                           first_bucket_mb=self.config.first_bucket_mb,
+                              reduce_dtype=self.reduce_dtype,
                           owners=owners if self.shard_gradients else None)
         return ZeroModule(model, reducer, gather, self.config.broadcast_buffers,
                           dict(zip(trainable, owners, strict=True)))
 
-    def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
-        optimizer = super().setup_optimizer(module, optimizer)  # moves state, hooks the reducer
+    def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
+        optimizer = super()._setup_optimizer(module, optimizer)  # moves state, hooks the reducer
         if not isinstance(module, ZeroModule) or module.gather is None:
             return optimizer
         w = self.world
@@ -245,11 +250,11 @@ class _ZeroStrategy(DDPStrategy):
         optimizer.register_step_post_hook(lambda *_: gather.gather(overlap))
         return optimizer
 
-    def clip_grad_norm_(self, module: DistributedModule, max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+    def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
+                        norm_type: float) -> torch.Tensor:
         if not (self.shard_gradients and isinstance(module, ZeroModule)
                 and module.reducer is not None):
-            return super().clip_grad_norm_(module, max_norm, norm_type)
+            return super()._clip_grad_norm(module, max_norm, norm_type)
         module.reducer.sync()
         owned = [p for p in module.parameters() if p.grad is not None
                  and module.owners.get(p) == self.world.rank]

@@ -1,0 +1,211 @@
+"""Precision modes under every strategy: tracking fp32 single-process training within stated
+tolerances, the rank-synchronised loss scaler, reduce dtypes, and the errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import metadist
+from metadist.comm import stats
+from metadist.precision import LossScaler, Precision
+from metadist.testing import assert_same_on_all_ranks, run_on_ranks
+from parity import batches, loss_fn, make_net, make_optimizer, reference, shard, train_on_rank
+
+# Tolerances on the relative update error ||dθ_mode - dθ_fp32|| / ||dθ_fp32|| after 10 steps
+# (dθ = θ_10 - θ_0), against float32 single-process training on the same global batches.
+# Mixed modes keep float32 master weights and only round the forward's matmul inputs, so the
+# error of every gradient is a few unit roundoffs of the compute dtype; it does not compound
+# through the weights. Measured: bf16-mixed 0.43-0.63% (bf16 roundoff 2^-9 = 0.2%),
+# 16-mixed 0.05-0.07% (fp16 roundoff 2^-12 = 0.024%). We allow 8 roundoffs' worth, twice the
+# worst measured. bf16-true has no master copy: every step rounds the weights themselves to
+# bf16, so the error grows with the steps (measured 1.4-3.0%); we allow 6%.
+TOLERANCE = {"bf16-mixed": 8 * 2.0**-8, "16-mixed": 8 * 2.0**-11, "bf16-true": 0.06}
+# Below this the mode cannot have run in reduced precision at all (a no-op would pass the
+# tolerance): every reduced mode must move the result at least this much.
+MIN_EFFECT = 1e-5
+
+STRATEGIES: dict[str, tuple[int, int, dict[str, Any]]] = {  # name: (ranks, nodes, options)
+    "single": (1, 1, {}),
+    "ddp": (2, 1, {}),
+    "zero1": (3, 1, {}),
+    "zero2": (3, 1, {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.0005}),
+    "zero3": (2, 1, {"min_unit_params": 40}),
+    "hsdp": (4, 2, {"min_unit_params": 40}),
+}
+
+
+def relative_update_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    init = dict(make_net().named_parameters())
+    num = sum(float(((got[n].float() - want[n]) ** 2).sum()) for n in want)
+    den = sum(float(((want[n] - init[n].detach()) ** 2).sum()) for n in want)
+    return (num / den) ** 0.5
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_bf16_mixed_tracks_fp32_under_every_strategy(strategy: str) -> None:
+    n, nodes, options = STRATEGIES[strategy]
+    want = reference("sgd", world=n)["params"]
+    out = run_on_ranks(train_on_rank, n, args=(strategy, "sgd", 1, True,
+                                               {"precision": "bf16-mixed", **options}),
+                       nnodes=nodes)
+    for rank, got in enumerate(out):
+        assert got["params"]["inp.weight"].dtype == torch.float32  # master weights
+        err = relative_update_error(got["params"], want)
+        assert MIN_EFFECT < err < TOLERANCE["bf16-mixed"], f"{strategy} rank {rank}: {err:.4g}"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_other_modes_track_fp32(strategy: str, precision: str, optimizer: str) -> None:
+    n, _, options = STRATEGIES[strategy]
+    want = reference(optimizer, world=n)["params"]
+    out = run_on_ranks(train_on_rank, n, args=(strategy, optimizer, 1, True,
+                                               {"precision": precision, **options}))
+    for got in out:
+        dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+        assert got["params"]["inp.weight"].dtype == dtype
+        err = relative_update_error(got["params"], want)
+        assert MIN_EFFECT < err < TOLERANCE[precision], f"{strategy} {precision}: {err:.4g}"
+
+
+def _gradient_bytes(strategy: str, reduce_dtype: str | None) -> tuple[int, dict[str, Any]]:
+    w = metadist.world()
+    options = {"min_unit_params": 40} if strategy == "zero3" else {}
+    s = metadist.strategy(strategy, precision="bf16-mixed", reduce_dtype=reduce_dtype,
+                          **options)
+    net = make_net(batchnorm=False)
+    model, opt = s.setup(net, make_optimizer("sgd", net.parameters()))
+    with stats.counting() as counts:
+        for x, y in batches():
+            opt.zero_grad()
+            out = model(shard(x, w.rank, w.world_size))
+            s.backward(loss_fn(out, shard(y, w.rank, w.world_size)))
+            opt.step()
+    reducing = sum(o.bytes for name, o in counts.ops.items()
+                   if name in ("all_reduce", "reduce", "reduce_scatter"))
+    return reducing, {"params": dict(model.state_dict())}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_reduce_dtype_halves_gradient_bytes_and_tracks_fp32(strategy: str) -> None:
+    fp32, bf16 = (run_on_ranks(_gradient_bytes, 2, args=(strategy, d)) for d in
+                  (None, "bfloat16"))
+    want = reference("sgd", batchnorm=False, world=2)["params"]
+    for (full_bytes, _), (half_bytes, got) in zip(fp32, bf16, strict=True):
+        # gradients (and the per-parameter "had a gradient" flags) travel in half the bytes
+        assert half_bytes == full_bytes // 2, (strategy, half_bytes, full_bytes)
+        assert relative_update_error(got["params"], want) < TOLERANCE["bf16-mixed"]
+        assert half_bytes > 0
+
+
+def _scaled_training_with_overflow(strategy: str) -> dict[str, Any]:
+    """16-mixed where rank 1 alone produces an inf gradient for one parameter at step 3."""
+    w = metadist.world()
+    s = metadist.strategy(strategy, precision="16-mixed")
+    net = make_net(batchnorm=False)
+    model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
+    step = 0
+    poisoned = model.module.out.bias if strategy != "zero3" else None
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if step == 3 and w.rank == 1 else grad
+
+    if poisoned is not None:
+        poisoned.register_hook(poison)
+    skipped, norms = [], []
+    for step, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        out = model(shard(x, w.rank, w.world_size))
+        if poisoned is None and step == 3 and w.rank == 1:
+            out = out * float("inf")
+        s.backward(loss_fn(out, shard(y, w.rank, w.world_size)))
+        norms.append(float(s.clip_grad_norm_(model, 1e6)))
+        opt.step()
+        assert s.scaler is not None
+        skipped.append(s.scaler.last_step_skipped)
+    params = model.state_dict()  # waits for zero1/2's overlapped parameter refresh
+    for name, value in params.items():
+        assert_same_on_all_ranks(value, name)
+    assert s.scaler is not None
+    return {"skipped": skipped, "scale": s.scaler.scale_value, "norms": norms,
+            "params": params}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_loss_scaler_skips_the_same_step_on_every_rank(strategy: str) -> None:
+    """zero2 reduces that gradient to one owner, so only the owner sees the inf: without
+    the all-reduced flag the other rank would step and the replicas would diverge."""
+    out = run_on_ranks(_scaled_training_with_overflow, 2, args=(strategy,))
+    expected = [i == 3 for i in range(len(batches()))]
+    for got in out:
+        assert got["skipped"] == expected
+        assert got["scale"] == 2.0**16 * 0.5
+    # the skipped step left no trace: equal to fp32 training without that batch, within
+    # the 16-mixed tolerance
+    data = [b for i, b in enumerate(batches()) if i != 3]
+    want = reference("adam", batchnorm=False, data=data, world=2)
+    assert relative_update_error(out[0]["params"], want["params"]) < TOLERANCE["16-mixed"] * 2
+
+
+def test_clip_grad_norm_reports_the_unscaled_norm() -> None:
+    out = run_on_ranks(_scaled_training_with_overflow, 2, args=("ddp",))
+    net = make_net(batchnorm=False)
+    x, y = batches()[0]
+    loss_fn(net(x), y).backward()
+    want = torch.nn.utils.clip_grad_norm_(list(net.parameters()), 1e6)
+    assert out[0]["norms"][0] == pytest.approx(float(want), rel=1e-2)  # fp16 forward
+
+
+def test_loss_scaler_state_round_trip_and_growth() -> None:
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    scaler._update(found_inf=False)
+    scaler._update(found_inf=False)
+    assert scaler.scale_value == 16.0
+    scaler._update(found_inf=True)
+    assert (scaler.scale_value, scaler.growth_tracker, scaler.skipped_steps) == (8.0, 0, 1)
+    restored = LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict()
+    with pytest.raises(ValueError, match="lacks"):
+        restored.load_state_dict({"scale": 2.0})
+
+
+def _plain_backward_under_16_mixed() -> None:
+    s = metadist.strategy("single", precision="16-mixed")
+    net = make_net(batchnorm=False)
+    model, opt = s.setup(net, make_optimizer("sgd", net.parameters()))
+    x, y = batches(1)[0]
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
+def test_plain_backward_under_16_mixed_says_use_strategy_backward() -> None:
+    with pytest.raises(metadist.RankFailedError, match=r"strategy.backward\(loss\)"):
+        run_on_ranks(_plain_backward_under_16_mixed, 1)
+
+
+def test_bf16_true_casts_inputs_and_returns_fp32_outputs() -> None:
+    s = metadist.strategy("single", precision="bf16-true")
+    model = s.setup_module(make_net(batchnorm=False))
+    assert next(model.parameters()).dtype == torch.bfloat16
+    out = model(torch.randn(4, 10))
+    assert out.dtype == torch.float32
+
+
+def test_unknown_precision_lists_the_modes() -> None:
+    with pytest.raises(ValueError, match="choose one of: 32-true, bf16-mixed, 16-mixed, "
+                                         "bf16-true"):
+        metadist.strategy("ddp", precision="fp16")
+    with pytest.raises(ValueError, match="dtype 'bf16' is not known"):
+        metadist.strategy("ddp", reduce_dtype="bf16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_a_mode_the_device_cannot_run_says_so() -> None:
+    with pytest.raises(RuntimeError, match=r"'bf16-mixed' needs torch\.bfloat16 autocast on "
+                                           "'cuda'"):
+        Precision("bf16-mixed", "cuda").check()

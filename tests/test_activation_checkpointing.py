@@ -4,15 +4,11 @@ state-dict keys and errors."""
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import metadist
 from metadist.checkpoint.activation import (
@@ -20,7 +16,7 @@ from metadist.checkpoint.activation import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from metadist.testing import run_on_ranks
+from metadist.testing import bytes_kept_by, run_on_ranks
 
 WIDTH = 16
 
@@ -120,36 +116,12 @@ def test_state_dicts_load_across_wrapping() -> None:
         assert k == k2 and torch.equal(v, v2)
 
 
-class _StorageTracker(TorchDispatchMode):
-    """Remembers (weakly) every storage an operator allocates, to measure what is still
-    alive later: a measure of tensors, immune to the allocator's caching (unlike RSS)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self) -> int:
-        gc.collect()
-        return sum(n for ref, n in self.refs.values() if not ref.expired())
-
-
 def _held_by_forward(checkpointed: bool) -> int:
     torch.manual_seed(0)
     net = Net(width=256, depth=8)
     if checkpointed:
         apply_activation_checkpointing(net, Block)
-    with _StorageTracker() as tracker:
-        out = net(torch.randn(512, 256)).sum()
-    held = tracker.alive_bytes()
+    out, held = bytes_kept_by(lambda: net(torch.randn(512, 256)).sum())
     out.backward()
     return held
 

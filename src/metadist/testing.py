@@ -9,10 +9,14 @@ not call :func:`metadist.shutdown`.
 from __future__ import annotations
 
 import atexit
+import gc
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from metadist.comm import ops
 from metadist.runtime.spawn import RankPool
@@ -63,6 +67,36 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         seen.add(storage.data_ptr())
         total += storage.nbytes()
     return total
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Remembers, weakly, every storage an operator allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        gc.collect()
+        return sum(n for ref, n in self.refs.values() if not ref.expired())
+
+
+def bytes_kept_by(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``(fn(), bytes)``: the bytes of storages that operators allocated inside ``fn`` and
+    that are still alive when it returns, e.g. the activations a forward keeps for
+    backward. A measure of tensors, immune to the allocator's caching (unlike RSS)."""
+    with _StorageTracker() as tracker:
+        out = fn()
+    return out, tracker.alive_bytes()
 
 
 def gather_from_ranks(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -73,6 +73,22 @@ def strategy(name: str, **options: Any) -> Strategy:
     return cls(cls.Config(**options))
 
 
+def _check_optimizer_matches(model: nn.Module, optimizer: Optimizer) -> None:
+    """Every tensor the optimizer steps must be one of the model's parameters: an optimizer
+    built on another copy (e.g. before ``copy.deepcopy`` or on a reloaded model) would step
+    tensors the strategy never synchronises."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"setup(model, optimizer) takes a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    mine = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+    if foreign:
+        raise ValueError(
+            f"{foreign} tensor(s) in the optimizer are not parameters of the model passed to "
+            "setup; build the optimizer from this model's parameters (e.g. "
+            "torch.optim.Adam(net.parameters())) and pass both to strategy.setup(net, opt)")
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyConfig:
     """Options every strategy accepts."""
@@ -137,10 +153,11 @@ class Strategy(ABC):
         if isinstance(model, DistributedModule):
             raise ValueError("this model is already set up by a strategy; pass the original "
                              "module (model.module) to setup a second time")
-        module = self.setup_module(model)
         if optimizer is None:
             raise ValueError("setup(model, optimizer) needs the optimizer; for the module alone "
                              "call strategy.setup_module(model)")
+        _check_optimizer_matches(model, optimizer)
+        module = self.setup_module(model)
         return module, self.setup_optimizer(module, optimizer)
 
     def setup_module(self, model: nn.Module) -> DistributedModule:
@@ -159,6 +176,10 @@ class Strategy(ABC):
 
     def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         """Adapt ``optimizer``, built on ``module.module``'s parameters, to this strategy."""
+        if not isinstance(module, DistributedModule):
+            raise TypeError("setup_optimizer(module, optimizer) needs the module returned by "
+                            "strategy.setup_module(model); or call strategy.setup(model, "
+                            "optimizer) for both")
         optimizer = self._setup_optimizer(module, optimizer)
         if self.scaler is not None:
             self.scaler.attach(optimizer)  # after the strategy's hooks: gradients are synced

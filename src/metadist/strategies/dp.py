@@ -26,6 +26,9 @@ class DataParallelModule(DistributedModule):
         super().__init__(module)
         self.device_ids = device_ids
 
+    def _check_devices(self, args: tuple[Any, ...]) -> None:
+        pass  # scatter moves CPU batches to the GPUs itself
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self._scatter_apply, args, kwargs)
 

@@ -59,10 +59,26 @@ class DistributedModule(nn.Module):
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` under this module's precision policy."""
         policy = self.precision
+        self._check_devices(args)
         args, kwargs = policy.cast_inputs((args, kwargs))
         with policy.autocast():
             out = fn(*args, **kwargs)
         return policy.cast_outputs(out)
+
+    def _check_devices(self, args: tuple[Any, ...]) -> None:
+        """A CPU batch fed to a GPU model (or the reverse) fails deep inside the first layer
+        with a message about the op; say which tensor and what to do instead."""
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None:
+            return
+        param = next(iter(self.module.parameters()), None)
+        if param is None or param.device.type == "meta":
+            return
+        if first.device.type != param.device.type:
+            raise RuntimeError(
+                f"the input is on {first.device} but the model is on {param.device}; move "
+                "batches with x.to(strategy.device) (or let strategy.setup_dataloader's "
+                "loader feed the model)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.pre_forward()

@@ -24,12 +24,16 @@ lint: $(STAMP)
 BENCH_PKGS := .bench
 $(BENCH_PKGS)/.installed: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(BENCH_PKGS) fairscale==0.4.13
+	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(BENCH_PKGS) betty-ml==0.2.1
 	touch $@
 
 bench: $(STAMP) $(BENCH_PKGS)/.installed
 	$(PY) -m benchmarks.comm
 	$(PY) -m benchmarks.ddp
 	$(PY) -m benchmarks.zero
+	$(PY) -m benchmarks.precision
+	$(PY) -m benchmarks.checkpoint
+	$(PY) -m benchmarks.meta
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

@@ -6,13 +6,20 @@ with batch ``N x batch_size`` would. Nothing is padded with repeated samples: a 
 global batch is split as evenly as possible, a rank left without samples gets one stand-in
 sample with weight 0, and each rank reports (its samples, the global batch's samples) so the
 gradient sync weights ranks and the result stays the single-process mean.
+
+Position (``state_dict()`` / ``load_state_dict()`` of the loader and the sampler): the epoch,
+the global steps taken in it and the samples (for a custom batch sampler: its batches) they
+consumed. It does not depend on the world size: a resumed loader continues the epoch's global
+order right after the last consumed sample, cut into global batches of its own size, so with
+the same global batch size it yields exactly the remaining global batches.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import random
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +29,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from metadist.runtime.ranks import get_logger
 
 BatchHook = Callable[[float, float], None]
+_POSITION = ("epoch", "steps", "consumed")
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,18 @@ class _Step:
     indices: list[int]
     local: int  # real samples on this rank (0: a stand-in sample that must not count)
     total: int  # samples in the global batch
+    units: int  # what the global step consumes of the epoch's order: samples, or batches
+
+
+def _position(state: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(epoch, steps, consumed) from a loader or sampler state dict, checked."""
+    values = [state.get(k) if isinstance(state, Mapping) else None for k in _POSITION]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"a loader state needs non-negative integers {', '.join(_POSITION)}; "
+                         f"got {state!r} (pass what loader.state_dict() returned)")
+    epoch, steps, consumed = values
+    assert isinstance(epoch, int) and isinstance(steps, int) and isinstance(consumed, int)
+    return epoch, steps, consumed
 
 
 class DistributedBatchSampler(Sampler[list[int]]):
@@ -38,6 +58,9 @@ class DistributedBatchSampler(Sampler[list[int]]):
     state seeded by ``seed + epoch`` so a shuffling sampler agrees across ranks. With
     ``batches=True`` the source yields whole batches (a custom batch sampler), which are
     dealt to ranks round-robin instead of being cut into slices.
+
+    ``state_dict()`` counts the batches this sampler handed out; behind a DataLoader with
+    workers that runs ahead of training, so checkpoint the loader's state instead.
     """
 
     def __init__(self, order_source: Iterable[Any], batch_size: int, *, rank: int,
@@ -50,10 +73,15 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.rank, self.world_size = rank, world_size
         self.drop_last, self.seed, self.batches = drop_last, seed, batches
         self.epoch = 0
-        self._plan: tuple[int, list[_Step]] | None = None
+        self.start = 0  # units of the epoch's order already consumed before this iteration
+        self.start_steps = 0  # global steps already taken in the epoch before this iteration
+        self._drawn = 0
+        self._plan: tuple[tuple[int, int], list[_Step], list[int]] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0, start_steps: int = 0) -> None:
+        """Iterate epoch ``epoch`` next, from ``start`` units (samples, or batches of a custom
+        batch sampler) into its order, counting ``start_steps`` global steps already taken."""
+        self.epoch, self.start, self.start_steps = epoch, start, start_steps
 
     def _draw(self) -> list[Any]:
         with torch.random.fork_rng(devices=[]):
@@ -66,12 +94,32 @@ class DistributedBatchSampler(Sampler[list[int]]):
                 random.setstate(state)
 
     def plan(self) -> list[_Step]:
-        """This rank's batches of the current epoch with their weights."""
-        if self._plan is None or self._plan[0] != self.epoch:
-            drawn = self._draw()
+        """This rank's remaining batches of the current epoch with their weights."""
+        if self._plan is None or self._plan[0] != (self.epoch, self.start):
+            drawn = self._draw()[self.start:]
             steps = self._plan_batches(drawn) if self.batches else self._plan_samples(drawn)
-            self._plan = (self.epoch, steps)
+            consumed = list(itertools.accumulate(s.units for s in steps))
+            self._plan = ((self.epoch, self.start), steps, consumed)
         return self._plan[1]
+
+    def position(self, taken: int) -> dict[str, int]:
+        """The state after ``taken`` steps of the current plan: the next epoch once all are."""
+        steps = self.plan()
+        assert self._plan is not None
+        if taken >= len(steps):
+            return {"epoch": self.epoch + 1, "steps": 0, "consumed": 0}
+        consumed = self.start + (self._plan[2][taken - 1] if taken else 0)
+        return {"epoch": self.epoch, "steps": self.start_steps + taken, "consumed": consumed}
+
+    def state_dict(self) -> dict[str, int]:
+        """Epoch, global steps and units handed out so far (see the module docstring)."""
+        return self.position(self._drawn)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (taken at any world size)."""
+        epoch, steps, consumed = _position(state)
+        self.set_epoch(epoch, consumed, steps)
+        self._drawn = 0
 
     def _plan_samples(self, order: list[int]) -> list[_Step]:
         n, b, r = self.world_size, self.batch_size, self.rank
@@ -80,14 +128,14 @@ class DistributedBatchSampler(Sampler[list[int]]):
         full = len(order) // size
         for k in range(full):
             start = k * size + r * b
-            steps.append(_Step(order[start:start + b], b, size))
+            steps.append(_Step(order[start:start + b], b, size, size))
         rest = order[full * size:]
         if rest and not self.drop_last:
             # Split the ragged remainder contiguously, sizes differing by at most one.
             base, extra = divmod(len(rest), n)
             start = r * base + min(r, extra)
             mine = rest[start:start + base + (1 if r < extra else 0)]
-            steps.append(_Step(mine or [rest[0]], len(mine), len(rest)))
+            steps.append(_Step(mine or [rest[0]], len(mine), len(rest), len(rest)))
         return steps
 
     def _plan_batches(self, batches: list[list[int]]) -> list[_Step]:
@@ -98,14 +146,19 @@ class DistributedBatchSampler(Sampler[list[int]]):
             group = batches[k * n:(k + 1) * n]
             total = sum(len(bt) for bt in group)
             mine = group[r] if r < len(group) else None
-            steps.append(_Step(list(mine) if mine else list(group[0]), len(mine or []), total))
+            steps.append(_Step(list(mine) if mine else list(group[0]), len(mine or []), total,
+                               len(group)))
         return steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        return (step.indices for step in self.plan())
+        self._drawn = 0
+        for step in self.plan():
+            self._drawn += 1
+            yield step.indices
 
     def __len__(self) -> int:
-        count = len(self.source)  # type: ignore[arg-type]  # samples, or batches
+        # samples, or batches, left in the epoch
+        count = max(0, len(self.source) - self.start)  # type: ignore[arg-type]
         per_step = self.world_size if self.batches else self.world_size * self.batch_size
         return count // per_step if self.drop_last else -(-count // per_step)
 
@@ -116,29 +169,55 @@ class DistributedDataLoader(DataLoader[Any]):
     ``local_samples`` is the number of real samples in the batch just yielded: 0 for a
     stand-in batch (a rank left without data at a ragged end), which evaluation loops should
     mask out while still running the forward (collectives must stay in step across ranks).
+
+    ``state_dict()`` is the position after the batches yielded so far (a batch counts as
+    consumed once yielded); after ``load_state_dict(state)`` the next iteration continues
+    that epoch with the next global batch, even at another world size.
     """
 
     def __init__(self, *args: Any, on_batch: BatchHook | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._on_batch = on_batch
         self._epoch = 0
+        self._resume = (0, 0)  # (consumed, steps) the next iteration starts from
+        self._state = {"epoch": 0, "steps": 0, "consumed": 0}
         self.local_samples = 0
+
+    @property
+    def _sampler(self) -> DistributedBatchSampler:
+        sampler = self.batch_sampler
+        assert isinstance(sampler, DistributedBatchSampler)
+        return sampler
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (shuffle seed) of the next iteration; it then counts up from there."""
-        self._epoch = epoch
+        self._epoch, self._resume = epoch, (0, 0)
+        self._state = {"epoch": epoch, "steps": 0, "consumed": 0}
+
+    def state_dict(self) -> dict[str, int]:
+        """Epoch, global steps taken in it and samples they consumed (world-size independent)."""
+        return dict(self._state)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next iteration continue from ``state`` (from :meth:`state_dict`)."""
+        epoch, steps, consumed = _position(state)
+        self._epoch, self._resume = epoch, (consumed, steps)
+        self._state = {"epoch": epoch, "steps": steps, "consumed": consumed}
+        self._sampler.set_epoch(epoch, consumed, steps)  # so that len(loader) is what is left
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        sampler = self.batch_sampler
-        assert isinstance(sampler, DistributedBatchSampler)
-        sampler.set_epoch(self._epoch)
-        self._epoch += 1
-        weights = [(step.local, step.total) for step in sampler.plan()]
-        for (local, total), batch in zip(weights, super().__iter__(), strict=False):
-            self.local_samples = local
+        sampler = self._sampler
+        sampler.set_epoch(self._epoch, *self._resume)
+        self._epoch, self._resume = self._epoch + 1, (0, 0)
+        steps = sampler.plan()
+        self._state = sampler.position(0)
+        for k, (step, batch) in enumerate(zip(steps, super().__iter__(), strict=False)):
+            self.local_samples = step.local
             if self._on_batch is not None:
-                self._on_batch(local, total)
+                self._on_batch(step.local, step.total)
+            self._state = sampler.position(k + 1)
             yield batch
+        sampler.set_epoch(self._epoch)  # exhausted: len(self) is the next epoch's again
 
 
 class _SeedWorkers:

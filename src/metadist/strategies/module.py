@@ -47,6 +47,7 @@ class DistributedModule(nn.Module):
         self.module = module
         #: set by the strategy: autocast and input/output casts around every forward
         self.precision = Precision()
+        self._probe: list[torch.Tensor | None] | None = None  # a list: no submodule registration
 
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
@@ -71,7 +72,9 @@ class DistributedModule(nn.Module):
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if first is None:
             return
-        param = next(iter(self.module.parameters()), None)
+        if self._probe is None:  # one parameter, found once: forwards stay cheap
+            self._probe = [next(iter(self.module.parameters()), None)]
+        param = self._probe[0]
         if param is None or param.device.type == "meta":
             return
         if first.device.type != param.device.type:

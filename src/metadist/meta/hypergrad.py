@@ -1,0 +1,326 @@
+"""Hypergradients of bilevel problems, exact across ranks.
+
+The problem: an outer objective F(theta*(lam), lam) whose inner parameters solve
+theta*(lam) = argmin_theta G(theta, lam). Notation below: H = d2G/dtheta2 (the inner
+Hessian), gF_theta = dF/dtheta, gF_lam = dF/dlam (direct part), and the mixed product
+M.v = d/dlam (dG/dtheta . v). Every method here has the signature
+
+    method(outer_loss_fn, inner_loss_fn, params, hparams, config=None, *, grad_sync=None)
+        -> tuple of tensors, one per hparam
+
+with ``outer_loss_fn(params, hparams) -> F`` and ``inner_loss_fn(params, hparams) -> G``
+(scalars), ``params`` a pytree (tuple, dict, ...) of tensors in the layout the loss functions
+take, and ``hparams`` a tuple of tensors that require grad. The results carry no graph.
+``params`` is the inner solution for ``neumann`` and ``cg``, the current inner iterate for
+``darts`` and the starting point of the inner loop for ``unrolled``; the caller's tensors are
+never modified and gain no ``.grad``. :func:`hypergradient` picks a method by name.
+
+Distributed exactness
+---------------------
+Under data parallelism each rank evaluates F and G on its slice of the global batch, and the
+global objectives are the mean of the per-rank ones. Every data-dependent quantity a method
+computes (gF_theta, gF_lam, each Hessian-vector product H.v, each mixed product M.v, each
+inner gradient) goes through ``grad_sync`` (pass ``strategy.sync_grads``: a differentiable
+mean over ranks), so each is the quantity of the *global* objective and the result equals the
+single-process hypergradient on the whole batch, on every rank. Averaging per-rank
+hypergradients instead is wrong for the implicit methods: the mean of inv(H_r) v_r is not
+inv(H) v. Ranks must pass identical ``params`` and ``hparams``; data-dependent stopping (CG's
+tolerance) then takes the same branch everywhere, because synced values are bitwise equal
+on every rank. ``unrolled`` differentiates through the synced inner gradients (the backward
+of ``sync_grads`` is again a collective), which is exact for equal per-rank shares, the
+strategies' default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from metadist.meta.optim import GradSync
+from metadist.meta.transforms import Transformation, apply_updates, sgd
+
+LossFn = Callable[[Any, tuple[Tensor, ...]], Tensor]
+METHODS = ("unrolled", "darts", "neumann", "cg")
+
+
+@dataclasses.dataclass(frozen=True)
+class UnrolledConfig:
+    """Reverse mode through ``steps`` differentiable updates of ``optimizer`` from ``params``
+    (memory grows with ``steps``; the result is the exact hypergradient of the truncated
+    K-step problem, which tends to the implicit one as the inner loop converges)."""
+
+    steps: int = 10
+    optimizer: Transformation = dataclasses.field(default_factory=lambda: sgd(0.1))
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"UnrolledConfig(steps={self.steps}): unroll at least one step")
+
+
+@dataclasses.dataclass(frozen=True)
+class DartsConfig:
+    """DARTS' second-order approximation from the current ``params`` w: one virtual step
+    w' = w - xi * dG/dw(w), then gF_lam(w') - xi * M(w).v with v = dF/dw'(w') and the mixed
+    product by a central finite difference, (dG/dlam(w + eps v) - dG/dlam(w - eps v)) /
+    (2 eps), eps = r / |v|. It is the exact derivative of one unrolled SGD step up to the
+    finite difference (exact when G is quadratic in w). ``first_order`` (or ``xi=0``) keeps
+    gF_lam(w') only."""
+
+    xi: float = 0.01
+    r: float = 0.01
+    first_order: bool = False
+
+    def __post_init__(self) -> None:
+        if self.xi < 0 or self.r <= 0:
+            raise ValueError(f"DartsConfig needs xi >= 0 and r > 0, got xi={self.xi}, r={self.r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class NeumannConfig:
+    """Implicit function theorem with inv(H) ~ alpha * sum_{k=0..K} (I - alpha H)^k,
+    K = ``iterations``. Converges for positive definite H when 0 < alpha < 2 / max eig(H);
+    the error of inv(H) v is inv(H) (I - alpha H)^(K+1) v. ``iterations=0`` is the cheap
+    inv(H) ~ alpha I approximation."""
+
+    iterations: int = 10
+    alpha: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.iterations < 0 or self.alpha <= 0:
+            raise ValueError(f"NeumannConfig needs iterations >= 0 and alpha > 0, got "
+                             f"iterations={self.iterations}, alpha={self.alpha}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CGConfig:
+    """Implicit function theorem with H x = gF_theta solved by conjugate gradient: at most
+    ``iterations`` Hessian-vector products, stopping early once |residual| <= tol |gF_theta|.
+    H must be positive definite at the inner solution (a direction of non-positive curvature
+    raises); CG is exact after dim(theta) steps in exact arithmetic."""
+
+    iterations: int = 10
+    tol: float = 1e-10
+
+    def __post_init__(self) -> None:
+        if self.iterations < 1 or self.tol < 0:
+            raise ValueError(f"CGConfig needs iterations >= 1 and tol >= 0, got "
+                             f"iterations={self.iterations}, tol={self.tol}")
+
+
+HypergradConfig = UnrolledConfig | DartsConfig | NeumannConfig | CGConfig
+Vec = list[Tensor]
+
+
+# ----- shared pieces -------------------------------------------------------------------------
+def _prepare(params: Any, hparams: Sequence[Tensor] | Tensor
+             ) -> tuple[Vec, Any, tuple[Tensor, ...]]:
+    lam = (hparams,) if isinstance(hparams, Tensor) else tuple(hparams)
+    if not lam or not all(isinstance(h, Tensor) and h.requires_grad for h in lam):
+        raise ValueError("hparams must be a non-empty tuple of tensors with requires_grad=True "
+                         "(e.g. (log_decay,) with log_decay.requires_grad_())")
+    leaves, spec = tree_flatten(params)
+    if not leaves or not all(isinstance(p, Tensor) for p in leaves):
+        raise TypeError("params must be a non-empty tuple/dict (pytree) of tensors")
+    # Fresh leaves: the hypergradient is taken with respect to hparams only, and the caller's
+    # tensors (e.g. a model's parameters) must not gain .grad or history here.
+    theta = [p.detach().requires_grad_(True) for p in leaves]
+    return theta, spec, lam
+
+
+def _sync(grad_sync: GradSync | None, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    return tuple(tensors) if grad_sync is None else tuple(grad_sync(tuple(tensors)))
+
+
+def _grad(out: Tensor, inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor] | None = None,
+          *, create_graph: bool = False, retain_graph: bool | None = None) -> tuple[Tensor, ...]:
+    # Zeros for inputs out does not reach: every rank must sync the same tuple of tensors.
+    return torch.autograd.grad(out, list(inputs), grad_outputs, create_graph=create_graph,
+                               retain_graph=retain_graph, allow_unused=True,
+                               materialize_grads=True)
+
+
+def _scalar(value: Tensor, what: str) -> Tensor:
+    if value.numel() != 1:
+        raise ValueError(f"{what} must return a scalar, got shape {tuple(value.shape)}; reduce "
+                         "it (e.g. .mean()) over this rank's samples")
+    return value
+
+
+def _dot(a: Vec, b: Vec) -> Tensor:
+    return sum(((x * y).sum() for x, y in zip(a, b, strict=True)), torch.zeros((), dtype=a[0].dtype,
+                                                                             device=a[0].device))
+
+
+def _outer_grads(outer_loss_fn: LossFn, theta: Vec, spec: Any, lam: tuple[Tensor, ...],
+                 grad_sync: GradSync | None) -> tuple[Vec, Vec]:
+    """(gF_theta, gF_lam), synced together in one call."""
+    f = _scalar(outer_loss_fn(tree_unflatten(theta, spec), lam), "outer_loss_fn")
+    both = _sync(grad_sync, _grad(f, [*theta, *lam]))
+    return list(both[:len(theta)]), list(both[len(theta):])
+
+
+# ----- implicit methods ------------------------------------------------------------------------
+def _implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+              hparams: Sequence[Tensor] | Tensor, grad_sync: GradSync | None,
+              solve: Callable[[Callable[[Vec], Vec], Vec], Vec]) -> tuple[Tensor, ...]:
+    """gF_lam - M.inv(H) gF_theta at the inner solution, ``solve(hvp, v) ~ inv(H) v``."""
+    theta, spec, lam = _prepare(params, hparams)
+    v, direct = _outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
+    inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
+    # This rank's dG/dtheta with its graph: every H.v and M.v differentiate it again,
+    # locally, and the products (not dG/dtheta) are synced, so each is the global one.
+    g = _grad(inner, theta, create_graph=True)
+
+    def hvp(w: Vec) -> Vec:
+        return list(_sync(grad_sync, _grad_of(g, theta, w)))
+
+    w = solve(hvp, v)
+    mixed = _sync(grad_sync, _grad_of(g, lam, w))
+    return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
+
+
+def _grad_of(g: Sequence[Tensor], inputs: Sequence[Tensor], w: Vec) -> tuple[Tensor, ...]:
+    """(dg/dinputs)^T w, keeping g's graph for the next product."""
+    live = [(gi, wi) for gi, wi in zip(g, w, strict=True) if gi.requires_grad]
+    if not live:  # G is linear in theta: every second derivative is zero
+        return tuple(torch.zeros_like(x) for x in inputs)
+    out = torch.autograd.grad([gi for gi, _ in live], list(inputs), [wi for _, wi in live],
+                              retain_graph=True, allow_unused=True, materialize_grads=True)
+    return tuple(out)
+
+
+def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+            hparams: Sequence[Tensor] | Tensor, config: NeumannConfig | None = None, *,
+            grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """Implicit hypergradient at the inner solution ``params``, inv(H) by a truncated
+    Neumann series (:class:`NeumannConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v
+    and M.v, so the result is the global-batch hypergradient (module docstring)."""
+    cfg = config or NeumannConfig()
+
+    def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
+        term, total = v, list(v)
+        for _ in range(cfg.iterations):
+            term = [t - cfg.alpha * h for t, h in zip(term, hvp(term), strict=True)]
+            total = [s + t for s, t in zip(total, term, strict=True)]
+        return [cfg.alpha * s for s in total]
+
+    return _implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
+
+
+def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+       hparams: Sequence[Tensor] | Tensor, config: CGConfig | None = None, *,
+       grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """Implicit hypergradient at the inner solution ``params``, inv(H) gF_theta by conjugate
+    gradient (:class:`CGConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v and M.v, so
+    the result is the global-batch hypergradient (module docstring)."""
+    cfg = config or CGConfig()
+
+    def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
+        x = [torch.zeros_like(t) for t in v]
+        r, p = list(v), list(v)
+        rr = _dot(r, r)
+        stop = cfg.tol**2 * rr.item()
+        for _ in range(cfg.iterations):
+            # Synced values are identical on every rank, so all ranks leave at the same step.
+            if rr.item() <= stop:
+                break
+            hp = hvp(p)
+            curvature = _dot(p, hp)
+            if curvature.item() <= 0:
+                raise ValueError("cg: the inner Hessian is not positive definite at params "
+                                 f"(p.Hp = {curvature.item():.3g}); pass the inner solution, "
+                                 "or use 'neumann' with a small alpha")
+            a = rr / curvature
+            x = [xi + a * pi for xi, pi in zip(x, p, strict=True)]
+            r = [ri - a * hi for ri, hi in zip(r, hp, strict=True)]
+            rr, rr_old = _dot(r, r), rr
+            p = [ri + (rr / rr_old) * pi for ri, pi in zip(r, p, strict=True)]
+        return x
+
+    return _implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
+
+
+# ----- DARTS -------------------------------------------------------------------------------------
+def darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+          hparams: Sequence[Tensor] | Tensor, config: DartsConfig | None = None, *,
+          grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """DARTS' finite-difference hypergradient from the current inner ``params``
+    (:class:`DartsConfig`). ``grad_sync`` syncs the virtual step's dG/dw, dF/dw', gF_lam and
+    both dG/dlam(w +- eps v), so the result is the global-batch approximation."""
+    cfg = config or DartsConfig()
+    theta, spec, lam = _prepare(params, hparams)
+    inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
+    step = _sync(grad_sync, _grad(inner, theta))
+    virtual = [(p - cfg.xi * s).detach().requires_grad_(True)
+               for p, s in zip(theta, step, strict=True)]
+    v, direct = _outer_grads(outer_loss_fn, virtual, spec, lam, grad_sync)
+    norm = _dot(v, v).sqrt()
+    if cfg.first_order or cfg.xi == 0 or norm.item() == 0:
+        return tuple(d.detach() for d in direct)
+    eps = cfg.r / norm
+    with torch.no_grad():
+        plus = [p + eps * vi for p, vi in zip(theta, v, strict=True)]
+        minus = [p - eps * vi for p, vi in zip(theta, v, strict=True)]
+    g_plus = _grad(_scalar(inner_loss_fn(tree_unflatten(plus, spec), lam), "inner_loss_fn"), lam)
+    g_minus = _grad(_scalar(inner_loss_fn(tree_unflatten(minus, spec), lam), "inner_loss_fn"),
+                    lam)
+    both = _sync(grad_sync, [*g_plus, *g_minus])  # one collective for both sides
+    n = len(lam)
+    return tuple((d - cfg.xi * (gp - gm) / (2 * eps)).detach()
+                 for d, gp, gm in zip(direct, both[:n], both[n:], strict=True))
+
+
+# ----- unrolled ----------------------------------------------------------------------------------
+def unrolled(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+             hparams: Sequence[Tensor] | Tensor, config: UnrolledConfig | None = None, *,
+             grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """Reverse-mode hypergradient through ``config.steps`` differentiable inner updates from
+    the initial ``params`` (:class:`UnrolledConfig`). ``grad_sync`` syncs every inner gradient
+    (differentiably) and the final dF/dlam, so the result is the global-batch hypergradient."""
+    cfg = config or UnrolledConfig()
+    theta, spec, lam = _prepare(params, hparams)
+    tree = tree_unflatten(theta, spec)
+    state = cfg.optimizer.init(tree)
+    for _ in range(cfg.steps):
+        inner = _scalar(inner_loss_fn(tree, lam), "inner_loss_fn")
+        grads = _sync(grad_sync, _grad(inner, tree_flatten(tree)[0], create_graph=True))
+        updates, state = cfg.optimizer.update(tree_unflatten(list(grads), spec), state,
+                                              params=tree)
+        tree = apply_updates(tree, updates)
+    outer = _scalar(outer_loss_fn(tree, lam), "outer_loss_fn")
+    return tuple(g.detach() for g in _sync(grad_sync, _grad(outer, lam)))
+
+
+# ----- by name ----------------------------------------------------------------------------------
+C = TypeVar("C", UnrolledConfig, DartsConfig, NeumannConfig, CGConfig)
+
+
+def _config(method: str, config: HypergradConfig | None, cls: type[C]) -> C | None:
+    if config is not None and not isinstance(config, cls):
+        raise TypeError(f"method {method!r} takes a {cls.__name__}, got "
+                        f"{type(config).__name__}; pass {cls.__name__}(...) or None")
+    return config
+
+
+def hypergradient(method: str, outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+                  hparams: Sequence[Tensor] | Tensor, config: HypergradConfig | None = None, *,
+                  grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """Dispatch to :func:`unrolled`, :func:`darts`, :func:`neumann` or :func:`cg` by name;
+    ``config`` must be that method's config class (None: its defaults)."""
+    args = (outer_loss_fn, inner_loss_fn, params, hparams)
+    match method:
+        case "unrolled":
+            return unrolled(*args, _config(method, config, UnrolledConfig), grad_sync=grad_sync)
+        case "darts":
+            return darts(*args, _config(method, config, DartsConfig), grad_sync=grad_sync)
+        case "neumann":
+            return neumann(*args, _config(method, config, NeumannConfig), grad_sync=grad_sync)
+        case "cg":
+            return cg(*args, _config(method, config, CGConfig), grad_sync=grad_sync)
+    raise ValueError(f"hypergradient method {method!r} is not known; choose one of: "
+                     f"{', '.join(METHODS)}")

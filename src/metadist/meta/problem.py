@@ -1,0 +1,305 @@
+"""One level of a multilevel optimisation problem.
+
+Subclass :class:`Problem` and implement ``training_step(batch) -> loss`` (or a dict with a
+``"loss"`` key and other metrics). Inside it, ``self(x)`` (or ``self.module(x)``) runs this
+problem's module and ``self.<name>(x)`` runs the problem called ``name``, e.g. a lower level
+``self.classifier(x)`` or an upper level ``self.weighting(losses)``. The
+:class:`~metadist.meta.Engine` decides which parameters each of those calls sees: a
+problem's own parameters when it steps, fast weights while a hypergradient is computed, and
+everyone else's parameters in a way no gradient can reach them, so gradients only ever reach
+what is being trained.
+
+The engine sets the problem up under its strategy: ``module`` is the wrapped module,
+``optimizer`` the user's optimizer object (LR schedulers stay bound to it), ``strategy`` the
+problem's strategy, and ``batch`` the batch of the current step.
+"""
+
+from __future__ import annotations
+
+import keyword
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader
+
+from metadist.meta.config import ProblemConfig
+from metadist.meta.modules import Slot, trainable_slots
+from metadist.strategies.base import Strategy
+from metadist.strategies.fsdp import ShardedModule
+from metadist.strategies.module import DistributedModule, explicit_parameters
+
+if TYPE_CHECKING:
+    from metadist.meta.engine import Engine
+
+
+def loss_of(out: Any, who: str) -> Tensor:
+    """The scalar loss in what ``training_step`` returned (a tensor or ``{"loss": ...}``)."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"{who}.training_step must return a scalar tensor or a dict with a "
+                         f"scalar 'loss'; got {type(out).__name__}"
+                         + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""))
+    return loss.reshape(())
+
+
+# Attributes every problem has: a problem with one of these names could not be reached by name.
+_RESERVED = frozenset({"name", "config", "optimizer", "scheduler", "train_data_loader",
+                       "strategy", "batch", "batch_share", "micro_steps", "steps", "last_loss",
+                       "replicated"})
+
+
+class Problem(ABC):
+    """A module, its optimizer (and optional LR scheduler), its training data and the loss it
+    minimises. ``name`` must be a Python identifier: other problems reach this one as
+    ``self.<name>``. A ``DataLoader`` is split across ranks by the strategy (each rank reads
+    its slice of every global batch); any other iterable is read as it is."""
+
+    def __init__(self, name: str, module: nn.Module, optimizer: Optimizer,
+                 scheduler: LRScheduler | None = None,
+                 train_data_loader: DataLoader[Any] | Iterable[Any] | None = None,
+                 config: ProblemConfig | None = None) -> None:
+        if (not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_")
+                or name in _RESERVED or hasattr(type(self), name)):
+            raise ValueError(f"problem name {name!r} cannot be used: it must be a Python "
+                             "identifier that is not a keyword, does not start with '_' and is "
+                             f"not an attribute of {type(self).__name__} (e.g. 'inner', "
+                             "'outer', 'classifier')")
+        if not isinstance(module, nn.Module) or isinstance(module, DistributedModule):
+            raise TypeError(f"problem {name!r} needs the user's nn.Module (not yet set up by a "
+                            f"strategy), got {type(module).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"problem {name!r} needs a torch.optim optimizer over its module's "
+                            f"parameters, got {type(optimizer).__name__}")
+        self.name = name
+        self.config = config or ProblemConfig()
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.train_data_loader = train_data_loader
+        self.strategy: Strategy | None = None
+        self.batch: Any = None
+        self.batch_share = 1.0
+        self._module: nn.Module = module
+        self._replica: nn.Module | None = None  # rank 0's local copy for validation
+        self.replicated = True
+        self._slots: dict[str, list[Slot]] = {}
+        self._trainable: list[Tensor] = []
+        self._engine: Engine | None = None
+        self._iterator: Any = None
+        # step counters: micro-batches, optimizer steps, steps in the current unroll window
+        self.micro_steps = 0
+        self.steps = 0
+        self._window = self.config.unroll_steps  # "complete": the first step opens a window
+        self._ready: set[str] = set()
+        # "unrolled" replays: parameters at the window's start and each step's (batch, share)s
+        self._theta0: dict[str, Tensor] = {}
+        self._record: list[list[tuple[Any, float]]] = []
+        self.last_loss: Tensor | None = None
+
+    # ----- what users write ------------------------------------------------------------
+    @abstractmethod
+    def training_step(self, batch: Any) -> Tensor | Mapping[str, Any]:
+        """This problem's loss on ``batch`` (a mean over this rank's samples)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``self(x)``: run this problem's module (override to change what a call means)."""
+        return self.module(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        """The strategy's wrapped module; during :meth:`Engine.validation` on rank 0, a local
+        replica holding the same weights (so validation code issues no collective)."""
+        engine = self._engine
+        if engine is not None and engine.validating and self._replica is not None:
+            return self._replica
+        return self._module
+
+    def parameters_dict(self) -> dict[str, Tensor]:
+        """The parameters this problem's calls run on right now, by name: fast weights while
+        a hypergradient is computed, its own trainable parameters (differentiable) when it
+        steps, otherwise its parameters as no gradient reaches them. Use it for terms on the
+        weights (e.g. a weight decay a hyperparameter controls)."""
+        if self._engine is not None and self._engine.validating and self._replica is not None:
+            return {n: p for n, p in self._replica.named_parameters() if p.requires_grad}
+        forward = self.wrapped.__dict__.get("forward")
+        if isinstance(forward, Binding):
+            return dict(forward.parameters())
+        return self.wrapped.full_parameters()
+
+    def functional_forward(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+        """Run this problem's module on ``params`` (names as in :meth:`parameters_dict`), e.g.
+        weights adapted in an inner loop; works under every strategy and in validation."""
+        if self._engine is not None and self._engine.validating and self._replica is not None:
+            return torch.func.functional_call(self._replica, dict(params), args, kwargs)
+        return self.run_with(params, args, kwargs)
+
+    def __getattr__(self, name: str) -> Problem:
+        # Only reached for missing attributes: other problems by name (``self.outer``).
+        engine: Engine | None = self.__dict__.get("_engine")
+        if name.startswith("_") or engine is None or name not in engine.problems:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}"
+                                 + ("" if name.startswith("_") or engine is None else
+                                    f"; problems of this engine: {', '.join(engine.problems)}"))
+        return engine.problems[name]
+
+    # ----- used by the engine ------------------------------------------------------------
+    @property
+    def wrapped(self) -> DistributedModule:
+        """The strategy's wrapped module (raises before the engine set this problem up)."""
+        module = self._module
+        if not isinstance(module, DistributedModule):
+            raise RuntimeError(f"problem {self.name!r} is not set up yet; pass it to "
+                               "metadist.meta.Engine(problems, ...) first")
+        return module
+
+    def attach(self, engine: Engine, strategy: Strategy, seed: int) -> None:
+        """Set up module, optimizer and loader under ``strategy`` (the optimizer object stays
+        the user's, so schedulers built on it keep working)."""
+        if self._engine is not None:
+            raise ValueError(f"problem {self.name!r} already belongs to an engine; build a new "
+                             "Problem (with a fresh module and optimizer) for another engine")
+        self._engine, self.strategy = engine, strategy
+        module, optimizer = strategy.setup(self._module, self.optimizer)
+        if optimizer is not self.optimizer:  # strategies adapt the user's object in place
+            raise RuntimeError(f"strategy {strategy.name!r} replaced problem {self.name!r}'s "
+                               "optimizer object; its LR scheduler would be left behind")
+        self._module = module
+        # Replicated strategies (single, ddp, zero1, zero2) keep whole leaf parameters in the
+        # module: those run on explicit tensors by swapping module slots (much cheaper than
+        # torch.func.functional_call for small models); sharded ones use functional_forward.
+        self.replicated = not isinstance(module, ShardedModule) and all(
+            t.is_leaf for t in module.full_parameters().values())
+        self._slots = dict(trainable_slots(module.module)) if self.replicated else {}
+        if isinstance(self.train_data_loader, DataLoader):
+            # Other iterables are read as they are: sharding them is up to the user.
+            self.train_data_loader = strategy.setup_dataloader(self.train_data_loader,
+                                                               seed=seed)
+
+    def next_batch(self) -> Any:
+        """The next batch of this rank's share (a new epoch starts when one runs out), moved
+        to the strategy's device; ``None`` without a loader."""
+        loader = self.train_data_loader
+        if loader is None:
+            return None
+        if self._iterator is None:
+            self._iterator = iter(loader)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(loader)  # the distributed loader moves to the next epoch
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                raise ValueError(f"problem {self.name!r}'s data loader yields no batch; give "
+                                 "it at least one global batch of data") from None
+        assert self.strategy is not None
+        # This rank's share of the global batch times N (1.0 when all ranks hold as many
+        # samples), read now: the engine may re-weight the strategy before backward.
+        self.batch_share = self.strategy.grad_scale() * self.strategy.world.world_size
+        device = self.strategy.device
+        return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, batch)
+
+    def params(self, *, clone: bool = False) -> dict[str, Tensor]:
+        """This problem's current full parameters by name, detached (cloned with
+        ``clone=True``: sharded strategies free their gathered buffers later)."""
+        with torch.no_grad():
+            full = self.wrapped.full_parameters()  # zero1/2: waits for in-flight refreshes
+            return {n: (p.detach().clone() if clone else p.detach()) for n, p in full.items()}
+
+    def run_with(self, params: Mapping[str, Tensor], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """The wrapped module's forward on ``params`` (every trainable parameter by name)."""
+        module = self.wrapped
+        if not self.replicated:
+            return module.functional_forward(params, *args, **kwargs)
+        unknown = sorted(set(params) - set(self._slots))
+        if unknown:
+            raise ValueError(f"problem {self.name!r} has no trainable parameter(s) {unknown}; "
+                             "use the names of self.parameters_dict()")
+        module.wait_params()  # zero1/zero2: refreshes in flight land in these slots
+        module.pre_forward()
+        saved: list[tuple[nn.Module, str, Any]] = []
+        try:
+            for name, value in params.items():
+                for owner, local in self._slots[name]:
+                    saved.append((owner, local, owner._parameters[local]))
+                    owner._parameters[local] = value  # type: ignore[assignment]
+            with explicit_parameters():
+                return module.run(module.module, args, kwargs)
+        finally:
+            for owner, local, old in reversed(saved):
+                owner._parameters[local] = old
+
+    def trainable(self) -> list[Tensor]:
+        """The leaf tensors this problem's gradients accumulate into (shards under zero3)."""
+        if not self._trainable:  # the same tensor objects for the life of the setup
+            self._trainable = [t for t in self.wrapped.parameters() if t.requires_grad]
+        return self._trainable
+
+    def accumulate_grads(self, grads: Mapping[str, Tensor]) -> None:
+        """Add ``grads`` (full-parameter gradients, identical on every rank, already averaged
+        over ranks) into the ``.grad`` of exactly the tensors this problem's optimizer steps,
+        with no collective: the reducer is bypassed so nothing is averaged twice."""
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        module = self.wrapped
+        if isinstance(module, ShardedModule):
+            # zero3/hsdp: the optimizer steps flat shards; cut this rank's slice of every
+            # padded flat buffer out of the full gradients (the layout load_state_dict uses).
+            for flat in module.flats:
+                if id(flat.shard) not in stepped:
+                    continue
+                full = torch.zeros(flat.padded, dtype=flat.shard.dtype, device=flat.device)
+                for slot in flat.slots:
+                    g = grads.get(slot.fqn)
+                    if g is not None:
+                        full[slot.offset:slot.offset + slot.numel] = g.detach().reshape(-1)
+                lo = flat.rank * flat.shard_size
+                _add_grad(flat.shard, full[lo:lo + flat.shard_size])
+            return
+        params = module.full_parameters()
+        for name, g in grads.items():
+            p = params.get(name)
+            if p is None:
+                raise KeyError(f"problem {self.name!r} has no trainable parameter {name!r}")
+            if not p.is_leaf:
+                raise TypeError(f"problem {self.name!r}: strategy module "
+                                f"{type(module).__name__} keeps its parameters outside the "
+                                "module; the engine supports single, ddp, zero1, zero2, zero3 "
+                                "and hsdp")
+            if id(p) in stepped:  # zero1/zero2: only this rank's own parameters
+                _add_grad(p, g)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"
+
+
+class Binding:
+    """What a problem's wrapped module runs on inside an engine context: ``explicit``
+    parameters, or (``explicit=None``) detached copies of its own, fetched on first use."""
+
+    def __init__(self, problem: Problem, explicit: Mapping[str, Tensor] | None) -> None:
+        self.problem, self._params = problem, explicit
+
+    def parameters(self) -> Mapping[str, Tensor]:
+        if self._params is None:
+            self._params = self.problem.params()
+        return self._params
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.problem.run_with(self.parameters(), args, kwargs)
+
+
+def _add_grad(p: Tensor, g: Tensor) -> None:
+    g = g.detach().to(p.device, p.dtype)
+    if p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.add_(g)

@@ -143,11 +143,14 @@ def _close(got: dict[str, Tensor], want: dict[str, Tensor], where: str) -> None:
 @pytest.fixture(scope="module")
 def references() -> dict[tuple[str, bool], dict[str, Tensor]]:
     out = {}
+    was_initialized = metadist.is_initialized()
     for method in METHODS:
         for ragged in (False, True):
             params, steps = _trained(method, "single", {}, ragged)
             assert steps == 10
             out[(method, ragged)] = params
+    if not was_initialized:
+        metadist.shutdown()  # the single-process references ran in the pytest process
     return out
 
 

@@ -21,7 +21,7 @@ def test_setup_without_an_optimizer_or_with_something_else() -> None:
     with pytest.raises(ValueError, match=r"needs the optimizer; for the module alone call "
                                          r"strategy.setup_module"):
         s.setup(nn.Linear(3, 2))
-    with pytest.raises(TypeError, match="takes a torch.optim.Optimizer, got list"):
+    with pytest.raises(TypeError, match=r"takes a torch\.optim\.Optimizer, got list"):
         s.setup(nn.Linear(3, 2), [1, 2])  # type: ignore[arg-type]
 
 
@@ -31,7 +31,7 @@ def test_setup_twice_and_optimizer_before_module() -> None:
     model, _ = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="already set up by a strategy; pass the original"):
         s.setup(model, torch.optim.SGD(net.parameters(), lr=0.1))
-    with pytest.raises(TypeError, match="needs the module returned by strategy.setup_module"):
+    with pytest.raises(TypeError, match=r"needs the module returned by strategy\.setup_module"):
         s.setup_optimizer(net, torch.optim.SGD(net.parameters(), lr=0.1))  # type: ignore[arg-type]
 
 

@@ -1,17 +1,14 @@
-"""The ``metadist`` command: ``run`` (torch's elastic launcher underneath), ``demo``, ``env``."""
+"""The ``metadist`` command: ``run`` (torch's elastic launcher underneath), ``demo``, ``env``,
+``consolidate``."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-import metadist
 from metadist.runtime import env as launch_env
 
 
@@ -39,7 +36,10 @@ def _run(ns: argparse.Namespace) -> int:
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as err:
-        print(f"metadist run: {ns.script} failed\n{err.format_msg()}", file=sys.stderr)
+        from metadist.runtime.failures import summarize_run_failure
+
+        # The origin rank once, the ranks that failed as a consequence in one line each.
+        print(summarize_run_failure(err, ns.script), file=sys.stderr)
         return 1
     return 0
 
@@ -56,33 +56,22 @@ def _demo(ns: argparse.Namespace) -> int:
 
 
 def _env(_: argparse.Namespace) -> int:
-    detected = launch_env.detect()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = "nccl" if gpus >= detected.local_world_size and gpus > 0 else "gloo"
-    device = f"cuda:{detected.local_rank}" if backend == "nccl" else "cpu"
-    rows = [
-        ("metadist", metadist.__version__),
-        ("torch", torch.__version__),
-        ("python", platform.python_version()),
-        ("launcher", detected.launcher),
-        ("rank", f"{detected.rank} of {detected.world_size}"),
-        ("local rank", f"{detected.local_rank} of {detected.local_world_size}"),
-        ("node", f"{detected.node_rank} of {detected.num_nodes}"),
-        ("master", f"{detected.master_addr or '(unset)'}:{detected.master_port}"),
-        ("backend (auto)", backend if detected.world_size > 1 else "none (world of one)"),
-        ("device", device),
-        ("cuda", torch.version.cuda or "not built with CUDA"),
-        ("gpus visible", str(gpus)),
-        ("gloo / nccl / mpi", " / ".join(
-            "yes" if ok else "no" for ok in (
-                torch.distributed.is_gloo_available(), torch.distributed.is_nccl_available(),
-                torch.distributed.is_mpi_available()))),
-        ("threads", str(torch.get_num_threads())),
-        ("cpus", str(os.cpu_count())),
-    ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    from metadist.runtime.report import render
+
+    print(render(), end="")
+    return 0
+
+
+def _consolidate(ns: argparse.Namespace) -> int:
+    from metadist.checkpoint import CheckpointError, consolidate
+
+    try:
+        out = consolidate(ns.checkpoint, ns.out)
+    except CheckpointError as err:
+        print(f"metadist consolidate: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): load it with strategy.load, or "
+          "torch.load(path, weights_only=True)[name] for the state saved under that name")
     return 0
 
 
@@ -108,8 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
     demo.set_defaults(handler=_demo)  # other options (--strategy, --epochs...) go to the demo
 
-    env = sub.add_parser("env", help="show the detected launcher, world, backend and versions")
+    env = sub.add_parser("env", help="show launcher, world, backends, device, versions and the "
+                                     "environment variables that matter")
     env.set_defaults(handler=_env)
+
+    cons = sub.add_parser(
+        "consolidate", help="write a sharded checkpoint as one full-format file (one process)")
+    cons.add_argument("checkpoint", help="the sharded checkpoint directory (strategy.save)")
+    cons.add_argument("out", help="the file to write")
+    cons.set_defaults(handler=_consolidate)
     return parser
 
 

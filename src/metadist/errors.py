@@ -1,4 +1,9 @@
-"""Exceptions a user can meet, each saying what went wrong and what to do."""
+"""Exceptions a user can meet, each saying what went wrong and what to do.
+
+Errors that one rank raises only *because another rank failed first* (its peer vanished, the
+watchdog stopped it after another rank's report, a mismatch found on every rank) carry
+``secondary = True``: launchers show the origin rank's traceback once and these as one line.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,37 @@ from __future__ import annotations
 class MetadistError(RuntimeError):
     """Base class for errors raised by metadist."""
 
+    secondary: bool = False
+
 
 class NotInitializedError(MetadistError):
     """A distributed call was made before :func:`metadist.init`."""
 
 
-class RankFailedError(MetadistError):
-    """A rank of a job started by :func:`metadist.launch` raised; carries its traceback."""
+class RendezvousError(MetadistError):
+    """:func:`metadist.init` could not form the process group (in time, or at all)."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, traceback: str) -> None:
+
+class RankFailedError(MetadistError):
+    """A rank of a job started by :func:`metadist.launch` raised; carries its traceback.
+
+    ``others`` maps the ranks that failed afterwards, as a consequence, to a one-line summary.
+    """
+
+    def __init__(self, rank: int, exc_type: str, message: str, traceback: str,
+                 others: dict[int, str] | None = None) -> None:
         self.rank = rank
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = traceback
-        super().__init__(
-            f"rank {rank} failed with {exc_type}: {message}\n"
-            f"--- traceback of rank {rank} ---\n{traceback.rstrip()}"
-        )
+        self.others = dict(others or {})
+        text = f"rank {rank} failed with {exc_type}: {message}"
+        if traceback.strip():
+            text += f"\n--- traceback of rank {rank} ---\n{traceback.rstrip()}"
+        if self.others:
+            text += "\n--- other ranks, stopped as a consequence ---\n" + "\n".join(
+                f"rank {r}: {line}" for r, line in sorted(self.others.items()))
+        super().__init__(text)
 
 
 class LaunchTimeoutError(MetadistError):
@@ -43,4 +62,39 @@ class LaunchTimeoutError(MetadistError):
 
 
 class CollectiveMismatchError(MetadistError):
-    """Ranks entered different collectives at the same point of the program."""
+    """Ranks entered different collectives (op, order, shape or dtype) at the same point.
+
+    Raised on every rank of the group by debug mode; only the first rank that differs from
+    the others is the origin, the copies on the other ranks are secondary.
+    """
+
+    def __init__(self, message: str, *, secondary: bool = False) -> None:
+        super().__init__(message)
+        self.secondary = secondary
+
+
+class CollectiveTimeoutError(MetadistError):
+    """A collective did not complete within the timeout: names the op, its sequence number on
+    its group and the ranks that did not arrive."""
+
+    def __init__(self, message: str, *, op: str = "", seq: int = 0,
+                 missing: tuple[int, ...] = (), secondary: bool = False) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.missing = missing
+        self.secondary = secondary
+
+
+class CollectiveFailedError(MetadistError):
+    """A collective broke because a peer went away (it crashed, was killed or raised and
+    exited): a consequence of that rank's failure, whose own error is the one to read."""
+
+    secondary = True
+
+    def __init__(self, message: str, *, op: str = "", seq: int = 0,
+                 missing: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.op = op
+        self.seq = seq
+        self.missing = missing

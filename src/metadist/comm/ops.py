@@ -13,18 +13,18 @@ rank, or an in-place all-reduce. Other backends use the native collectives.
 
 from __future__ import annotations
 
-import os
-import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from metadist.comm import ring, stats
+from metadist.comm import debug, ring, stats
+from metadist.comm.debug import TensorSpec
 from metadist.comm.handle import Handle
-from metadist.errors import CollectiveMismatchError
+from metadist.runtime import watchdog
 from metadist.runtime import world as _world
+from metadist.runtime.tracker import TRACKER, Entry
 from metadist.runtime.world import SELF, Group
 
 ReduceOpName = Literal["sum", "mean", "max", "min", "prod"]
@@ -40,19 +40,21 @@ _reduce_scatter_single: Callable[..., Any] = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 )
 
-_debug = os.environ.get("METADIST_DEBUG_COLLECTIVES", "") not in ("", "0")
-_debug_seq = 0
 
 
 def set_debug(enabled: bool) -> None:
-    """Cross-check op, shape and order on every rank before each collective (slow; debugging).
+    """Cross-check a fingerprint of every collective (call number, op, reduce op, root, dtypes
+    and shapes) on every rank before running it: one extra small all-gather per call.
 
-    A rank that skips, reorders or resizes a collective then fails with
-    :class:`~metadist.errors.CollectiveMismatchError` naming the op and the ranks instead of
-    hanging. Also enabled by ``METADIST_DEBUG_COLLECTIVES=1``.
+    A rank that skips, reorders or resizes a collective then fails, on every rank, with
+    :class:`~metadist.errors.CollectiveMismatchError` naming the op, the differing field and
+    the ranks. Also enabled by ``METADIST_DEBUG=1`` or ``metadist.init(debug=True)``.
     """
-    global _debug
-    _debug = enabled
+    TRACKER.debug = bool(enabled)
+
+
+def debug_enabled() -> bool:
+    return TRACKER.debug
 
 
 def _torch_op(op: str) -> Any:
@@ -109,40 +111,64 @@ def _check(name: str, backend: str, *tensors: torch.Tensor) -> None:
             f"{name}: tensors have different dtypes ({dtypes}); cast them to one dtype")
 
 
-def _check_in_order(name: str, pg: dist.ProcessGroup, size: int, t: torch.Tensor) -> None:
-    global _debug_seq
-    _debug_seq += 1
-    mine = torch.tensor([_debug_seq, zlib.crc32(name.encode()), t.numel()], dtype=torch.int64,
-                        device=t.device)
-    every = torch.empty(size * 3, dtype=torch.int64, device=t.device)
-    _all_gather_single(every, mine, group=pg)
-    rows = every.view(size, 3).tolist()
-    if any(row != rows[0] for row in rows):
-        raise CollectiveMismatchError(
-            f"collective mismatch at '{name}' (call #{_debug_seq} here): ranks disagree on "
-            "(call number, op, numel): "
-            + "; ".join(f"rank {r}: {tuple(row)}" for r, row in enumerate(rows))
-            + ". Every rank must issue the same collectives in the same order."
-        )
+def _reraise(entry: Entry, exc: BaseException) -> NoReturn:
+    better = watchdog.failed(entry, exc)
+    if better is exc:
+        raise exc
+    raise better from exc
+
+
+def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSpec],
+           reduce: str, root: int) -> Entry:
+    """Track the collective (watchdog) and, in debug mode, cross-check its fingerprint."""
+    entry = TRACKER.enter(name, pg)
+    if TRACKER.debug:
+        device = specs[0][0].device if specs else _world.world().device
+        try:
+            debug.check(entry, pg, size, dist.get_rank(), specs, reduce, root, device,
+                        _all_gather_single)
+        except BaseException as exc:
+            _reraise(entry, exc)
+    return entry
 
 
 def _launch(name: str, group: Group, tensors: Sequence[torch.Tensor], nbytes: int,
             call: Callable[[dist.ProcessGroup], Any], async_op: bool, result: Any,
-            finish: Callable[[], None] | None = None) -> Handle | None:
-    """Run ``call`` on the group, or return None when the group is a world of one."""
+            finish: Callable[[], None] | None = None, *, agree: Sequence[TensorSpec] = (),
+            reduce: str = "", root: int = -1) -> Handle | None:
+    """Run ``call`` on the group, or return None when the group is a world of one.
+
+    ``agree`` lists the tensors whose dtype (and shape) must be the same on every rank, with
+    ``reduce`` and ``root``: what debug mode compares.
+    """
     pg, size, _ = group_info(group)
     if pg is None or size == 1:
         return None
     _check(name, str(dist.get_backend(pg)), *tensors)
-    if _debug:
-        _check_in_order(name, pg, size, tensors[0])
+    entry = _enter(name, pg, size, agree, reduce, root)
     stats.record(name, nbytes, size)
-    work = call(pg)
+    try:
+        work = call(pg)
+    except BaseException as exc:
+        _reraise(entry, exc)
     works = work if isinstance(work, list) else ([work] if work is not None else [])
-    handle = Handle(result, works, finish)
-    if not async_op:
+    handle = Handle(result, works, finish, entry)
+    if async_op:
+        TRACKER.release(entry)  # pending again once somebody waits on the handle
+    else:
         handle.wait()
     return handle
+
+
+def _blocking(name: str, pg: dist.ProcessGroup, size: int, call: Callable[[], Any]) -> Any:
+    """Run a synchronous torch collective (object collectives) tracked like the others."""
+    entry = _enter(name, pg, size, (), "", -1)
+    try:
+        out = call()
+    except BaseException as exc:
+        _reraise(entry, exc)
+    TRACKER.exit(entry)
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -165,6 +191,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOpName = "sum", *, group: Group =
     return _launch(
         "all_reduce", group, [tensor], _nbytes(tensor),
         lambda pg: dist.all_reduce(tensor, top, group=pg, async_op=True), async_op, tensor, finish,
+        agree=[(tensor, True)], reduce=op,
     ) or Handle(tensor)
 
 
@@ -174,7 +201,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, group: Group = None,
     return _launch(
         "broadcast", group, [tensor], _nbytes(tensor),
         lambda pg: dist.broadcast(tensor, _global(pg, group, src), group=pg, async_op=True),
-        async_op, tensor,
+        async_op, tensor, agree=[(tensor, True)], root=src,
     ) or Handle(tensor)
 
 
@@ -200,7 +227,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: ReduceOpName = "sum", *, grou
         def call(pg: dist.ProcessGroup) -> Any:
             return dist.reduce(tensor, _global(pg, group, dst), top, group=pg, async_op=True)
     return _launch("reduce", group, [tensor], _nbytes(tensor), call, async_op, tensor,
-                   finish) or Handle(tensor)
+                   finish, agree=[(tensor, True)], reduce=op, root=dst) or Handle(tensor)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None,
@@ -231,7 +258,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None
         def call(pg: dist.ProcessGroup) -> list[Any]:
             return [_all_gather_single(output, input, group=pg, async_op=True)]
     return _launch("all_gather", group, [output, input], _nbytes(output), call, async_op,
-                   output) or Handle(output)
+                   output, agree=[(input, True)]) or Handle(output)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName = "sum", *,
@@ -279,7 +306,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
         def call(pg: dist.ProcessGroup) -> list[Any]:
             return [_reduce_scatter_single(output, input, top, group=pg, async_op=True)]
     return _launch("reduce_scatter", group, [output, input], _nbytes(input), call, async_op,
-                   output, finish) or Handle(output)
+                   output, finish, agree=[(output, True)], reduce=op) or Handle(output)
 
 
 def scatter(output: torch.Tensor, inputs: Sequence[torch.Tensor] | None = None, src: int = 0, *,
@@ -296,7 +323,7 @@ def scatter(output: torch.Tensor, inputs: Sequence[torch.Tensor] | None = None, 
     return _launch(
         "scatter", group, [output, *(send or [])], _nbytes(output) * size,
         lambda pg: dist.scatter(output, send, _global(pg, group, src), group=pg, async_op=True),
-        async_op, output,
+        async_op, output, agree=[(output, True)], root=src,
     ) or Handle(output)
 
 
@@ -314,7 +341,7 @@ def gather(input: torch.Tensor, outputs: Sequence[torch.Tensor] | None = None, d
     return _launch(
         "gather", group, [input, *(recv or [])], _nbytes(input) * size,
         lambda pg: dist.gather(input, recv, _global(pg, group, dst), group=pg, async_op=True),
-        async_op, outputs,
+        async_op, outputs, agree=[(input, True)], root=dst,
     ) or Handle(outputs)
 
 
@@ -332,21 +359,15 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor,
         lambda pg: dist.all_to_all_single(
             output, input, list(output_split_sizes) if output_split_sizes else None,
             list(input_split_sizes) if input_split_sizes else None, group=pg, async_op=True),
-        async_op, output,
+        # Split sizes may differ per rank; without them every rank moves equal chunks.
+        async_op, output, agree=[(input, not (input_split_sizes or output_split_sizes))],
     ) or Handle(output)
 
 
 def barrier(*, group: Group = None, async_op: bool = False) -> Handle:
     """Wait until every rank of the group has reached this call."""
-    pg, size, _ = group_info(group)
-    if pg is None or size == 1:
-        return Handle(None)
-    stats.record("barrier", 0, size)
-    work = dist.barrier(group=pg, async_op=True)
-    handle = Handle(None, [work])
-    if not async_op:
-        handle.wait()
-    return handle
+    return _launch("barrier", group, [], 0, lambda pg: dist.barrier(group=pg, async_op=True),
+                   async_op, None) or Handle(None)
 
 
 def broadcast_object(obj: Any, src: int = 0, *, group: Group = None) -> Any:
@@ -355,7 +376,8 @@ def broadcast_object(obj: Any, src: int = 0, *, group: Group = None) -> Any:
     if pg is None or size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=_global(pg, group, src), group=pg)
+    _blocking("broadcast_object", pg, size,
+              lambda: dist.broadcast_object_list(box, src=_global(pg, group, src), group=pg))
     return box[0]
 
 
@@ -365,7 +387,8 @@ def gather_object(obj: Any, dst: int = 0, *, group: Group = None) -> list[Any] |
     if pg is None or size == 1:
         return [obj]
     out: list[Any] | None = [None] * size if rank == dst else None
-    dist.gather_object(obj, out, dst=_global(pg, group, dst), group=pg)
+    _blocking("gather_object", pg, size,
+              lambda: dist.gather_object(obj, out, dst=_global(pg, group, dst), group=pg))
     return out
 
 
@@ -375,5 +398,5 @@ def all_gather_object(obj: Any, *, group: Group = None) -> list[Any]:
     if pg is None or size == 1:
         return [obj]
     out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj, group=pg)
+    _blocking("all_gather_object", pg, size, lambda: dist.all_gather_object(out, obj, group=pg))
     return out

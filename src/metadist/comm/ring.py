@@ -21,9 +21,18 @@ import torch.distributed as dist
 
 from metadist.comm.handle import Handle
 
-# Every rank starts rings in the same order, so a per-process counter gives each ring the
-# same tag everywhere and concurrent rings never take each other's messages.
-_tags = itertools.count(1)
+# The members of a group start rings on it in the same order, so a counter per group gives
+# each ring the same tag on every member and concurrent rings never take each other's
+# messages. (One counter per process would drift apart as soon as a sub-group that not every
+# rank belongs to runs a ring, and the next world ring would wait forever on mismatched tags.)
+_tags: dict[Any, Iterator[int]] = {}
+
+
+def _next_tag(pg: dist.ProcessGroup) -> int:
+    counter = _tags.get(pg)
+    if counter is None:
+        counter = _tags[pg] = itertools.count(1)
+    return next(counter)
 
 
 class StepHandle(Handle):
@@ -62,7 +71,7 @@ def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.Process
                    size: int, rank: int) -> StepHandle:
     """Sum over ranks of dim-0 chunk ``rank`` of ``scratch`` into ``output``; overwrites
     ``scratch``."""
-    tag = next(_tags)
+    tag = _next_tag(pg)
     chunks = rows(scratch, size)
     nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
 
@@ -82,7 +91,7 @@ def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.Process
 def all_gather(output: torch.Tensor, pg: dist.ProcessGroup, size: int,
                rank: int) -> StepHandle:
     """Fill every dim-0 chunk of ``output`` from its owner; chunk ``rank`` is already ours."""
-    tag = next(_tags)
+    tag = _next_tag(pg)
     chunks = rows(output, size)
     nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
 
@@ -96,7 +105,7 @@ def all_gather(output: torch.Tensor, pg: dist.ProcessGroup, size: int,
 
 def reduce_to(tensor: torch.Tensor, dst: int, pg: dist.ProcessGroup, rank: int) -> StepHandle:
     """Two ranks: the other rank sends its tensor, ``dst`` adds it to its own."""
-    tag = next(_tags)
+    tag = _next_tag(pg)
 
     def steps() -> Iterator[list[Any]]:
         if rank == dst:

@@ -1,5 +1,10 @@
-"""Worker entry used by ``metadist run``: run the user's script as ``__main__`` and, when it
-raises, record the traceback where torch's elastic agent will show it."""
+"""Worker entry used by ``metadist run``: run the user's script as ``__main__``.
+
+When the script raises, the first rank to fail prints its traceback (once, as one write)
+and every other rank a single line: ranks that fail *because* of it (a peer's connection
+closed under a collective) are marked secondary. Each leaves torch elastic's error file, from
+which ``metadist run`` names the origin rank (``runtime/failures.py``).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,34 @@ import os
 import runpy
 import sys
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from metadist.runtime import failures, watchdog
 
 
-@record
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m metadist.runtime.entry script.py [args...]")
     script = sys.argv[1]
     if not os.path.isfile(script):
         raise SystemExit(f"metadist run: script {script!r} does not exist")
+    ErrorHandler().initialize()  # fault handler: native crashes still print a stack
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return
+        raise
+    except Exception as exc:
+        # Start the traceback at the user's script, not in this entry or runpy.
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None and (
+                tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")):
+            tb = tb.tb_next
+        failures.record_script_failure(exc.with_traceback(tb), watchdog.claim_first_failure)
+        raise SystemExit(1) from None  # reported: Python must not print the traceback again
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 A failing rank is reported by the parent, with its number and traceback, as soon as its
 message arrives; the other ranks (often blocked in a collective with the dead one) are killed.
+Errors the others hit *because* of that failure (a peer's connection closed, the watchdog
+stopping them) are secondary: the error names the origin rank and lists them in one line each.
 A rank that hangs past the timeout has its Python stack dumped (faulthandler) before it is
 killed, and the error names it. Children die with the parent (``PR_SET_PDEATHSIG`` on Linux
 plus a watchdog), so no process outlives a crashed or interrupted caller.
@@ -28,9 +30,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
 from metadist.errors import LaunchTimeoutError, MetadistError, RankFailedError
+from metadist.runtime import failures
 from metadist.runtime.env import LOOPBACK
 
-_GRACE_S = 0.3  # after a first failure, how long to collect the other ranks' errors
+# After the origin's failure, how long to collect the other ranks' (secondary) errors, and how
+# long to wait for an origin when only secondary errors have arrived so far.
+_GRACE_S = 1.0
+_ORIGIN_WAIT_S = 3.0
 
 
 def free_port() -> int:
@@ -47,7 +53,7 @@ class _Spec:
     local_world_size: int
     port: int
     backend: str | None
-    timeout: float
+    collective_timeout: float | None
     threads: int
     parent_pid: int
     stack_file: str
@@ -82,8 +88,13 @@ def _recv(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _describe(exc: BaseException) -> tuple[str, str, str, str]:
-    return ("error", type(exc).__name__, str(exc), traceback.format_exc())
+def _describe(exc: BaseException) -> tuple[str, str, str, str, bool]:
+    return ("error", type(exc).__name__, str(exc), traceback.format_exc(),
+            failures.is_secondary(exc))
+
+
+def _is_secondary(message: tuple[Any, ...]) -> bool:
+    return len(message) > 4 and bool(message[4])
 
 
 def _worker(spec: _Spec, conn: Connection) -> None:
@@ -103,15 +114,24 @@ def _worker(spec: _Spec, conn: Connection) -> None:
         )
         import torch
 
-        from metadist.runtime import world
+        from metadist.runtime import watchdog, world
 
         torch.set_num_threads(spec.threads)
         world.forget_inherited()
+        lock = threading.Lock()  # the watchdog thread may report while a reply is being sent
+
+        def send(obj: Any) -> None:
+            with lock:
+                _send(conn, obj)
+
+        # The watchdog's report reaches the parent before the watchdog exits the process.
+        watchdog.set_reporter(lambda r: send(("error", r.exc_type, r.message, r.stack,
+                                              r.secondary)))
         try:
-            world.init(spec.backend, timeout=spec.timeout)
-            _send(conn, ("ready", None))
+            world.init(spec.backend, timeout=spec.collective_timeout)
+            send(("ready", None))
         except BaseException as exc:
-            _send(conn, _describe(exc))
+            send(_describe(exc))
             return
         while True:
             try:
@@ -126,11 +146,11 @@ def _worker(spec: _Spec, conn: Connection) -> None:
             except BaseException as exc:
                 reply = _describe(exc)
             try:
-                _send(conn, reply)
+                send(reply)
             except Exception as exc:  # e.g. an unpicklable return value
-                _send(conn, ("error", type(exc).__name__,
-                           f"the return value of rank {spec.rank} could not be sent back: {exc}",
-                           traceback.format_exc()))
+                send(("error", type(exc).__name__,
+                      f"the return value of rank {spec.rank} could not be sent back: {exc}",
+                      traceback.format_exc(), False))
         world.shutdown()
 
 
@@ -155,7 +175,8 @@ class RankPool:
 
     def __init__(self, nprocs: int, *, backend: str | None = None, nnodes: int = 1,
                  timeout: float = 300.0, start_method: str | None = None,
-                 threads: int | None = None, fn_hint: Callable[..., Any] | None = None) -> None:
+                 threads: int | None = None, fn_hint: Callable[..., Any] | None = None,
+                 collective_timeout: float | None = None) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         if nnodes < 1 or nprocs % nnodes:
@@ -177,8 +198,9 @@ class RankPool:
         self._procs: list[Any] = []
         self._closed = False
         for rank in range(nprocs):
-            spec = _Spec(rank, nprocs, nprocs // nnodes, port, backend, timeout, threads,
-                         os.getpid(), os.path.join(self._stack_dir.name, f"rank{rank}.txt"))
+            spec = _Spec(rank, nprocs, nprocs // nnodes, port, backend, collective_timeout,
+                         threads, os.getpid(),
+                         os.path.join(self._stack_dir.name, f"rank{rank}.txt"))
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker, args=(spec, child_end), name=f"metadist-rank{rank}")
             proc.start()
@@ -195,14 +217,18 @@ class RankPool:
 
     @property
     def closed(self) -> bool:
+        """True once the pool was closed, or a rank of it died between jobs (the pool is then
+        closed: its process group is broken)."""
+        if not self._closed and any(not p.is_alive() for p in self._procs):
+            self.close(force=True)
         return self._closed
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (),
             kwargs: dict[str, Any] | None = None, timeout: float | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
-        if self._closed:
-            raise MetadistError("this RankPool was closed (a job failed or it was shut down); "
-                                "create a new one")
+        if self.closed:
+            raise MetadistError("this RankPool was closed (a job failed, a rank died or it was "
+                                "shut down); create a new one")
         for conn in self._conns:
             _send(conn, ("run", fn, tuple(args), dict(kwargs or {})))
         return self._collect("ok", self.timeout if timeout is None else timeout)
@@ -211,15 +237,19 @@ class RankPool:
         deadline = time.monotonic() + timeout
         results: list[Any] = [None] * self.nprocs
         pending = set(range(self.nprocs))
-        failures: list[tuple[int, tuple[Any, ...]]] = []
-        fail_deadline: float | None = None
+        failed: list[tuple[int, tuple[Any, ...]]] = []
+        first_failure = 0.0
         while pending:
-            limit = deadline if fail_deadline is None else min(deadline, fail_deadline)
+            limit = deadline
+            if failed:
+                origin_known = any(not _is_secondary(m) for _, m in failed)
+                limit = min(deadline, first_failure + (_GRACE_S if origin_known
+                                                       else _ORIGIN_WAIT_S))
             waitables: list[Any] = [self._conns[r] for r in pending]
             waitables += [self._procs[r].sentinel for r in pending]
             ready = wait(waitables, timeout=max(0.0, limit - time.monotonic()))
             if not ready:
-                if failures:
+                if failed:
                     break
                 self._timeout(sorted(pending), timeout)
             for rank in sorted(pending):
@@ -230,12 +260,15 @@ class RankPool:
                 if message[0] == expected:
                     results[rank] = message[1]
                 else:
-                    failures.append((rank, message))
-                    fail_deadline = fail_deadline or time.monotonic() + _GRACE_S
-        if failures:
+                    failed.append((rank, message))
+                    first_failure = first_failure or time.monotonic()
+        if failed:
             self.close(force=True)
-            rank, (_, exc_type, text, tb) = failures[0]
-            raise RankFailedError(rank, exc_type, text, tb)
+            # The origin is the first failure that is not a consequence of another one.
+            rank, (_, exc_type, text, tb, *_) = next(
+                (f for f in failed if not _is_secondary(f[1])), failed[0])
+            others = {r: failures.one_line(m[1], m[2]) for r, m in failed if r != rank}
+            raise RankFailedError(rank, exc_type, text, tb, others)
         return results
 
     def _receive(self, rank: int, ready: list[Any]) -> tuple[Any, ...] | None:
@@ -251,7 +284,8 @@ class RankPool:
             code = proc.exitcode
             how = (f"killed by signal {-code}" if code is not None and code < 0
                    else f"exit code {code}")
-            return ("error", "ProcessExited", f"rank {rank} exited unexpectedly ({how})", "")
+            return ("error", "ProcessExited", f"rank {rank} exited unexpectedly ({how})", "",
+                    False)
         return None
 
     def _timeout(self, ranks: list[int], timeout: float) -> NoReturn:
@@ -302,17 +336,22 @@ class RankPool:
 def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
            kwargs: dict[str, Any] | None = None, *, backend: str | None = None,
            timeout: float = 300.0, nnodes: int = 1, start_method: str | None = None,
-           threads: int | None = None) -> list[Any]:
+           threads: int | None = None, collective_timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks; return results in rank order.
 
     Each rank calls :func:`metadist.init` first, on a free loopback port. ``nnodes`` splits
     the ranks into simulated nodes (node-local and cross-node groups behave as on a cluster).
     ``threads`` sets torch's intra-op threads per rank (default: cores / nprocs).
+    ``timeout`` bounds the whole call; ``collective_timeout`` is each rank's
+    ``init(timeout=...)``: how long one collective may wait (default ``$METADIST_TIMEOUT``,
+    else 300 s) before every rank stops with an error naming the op and the missing ranks.
 
     Raises:
-        RankFailedError: a rank raised; it names the rank and carries its traceback.
+        RankFailedError: a rank failed; it names the origin rank (not the ranks that failed
+            as a consequence, listed in one line each) and carries its traceback.
         LaunchTimeoutError: ranks were still running after ``timeout`` seconds.
     """
     with RankPool(nprocs, backend=backend, nnodes=nnodes, timeout=timeout,
-                  start_method=start_method, threads=threads, fn_hint=fn) as pool:
+                  start_method=start_method, threads=threads, fn_hint=fn,
+                  collective_timeout=collective_timeout) as pool:
         return pool.run(fn, args, kwargs, timeout)

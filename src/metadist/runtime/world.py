@@ -5,13 +5,15 @@ from __future__ import annotations
 import datetime
 import threading
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from metadist.errors import NotInitializedError
 from metadist.runtime import env as launch_env
+from metadist.runtime import rendezvous, watchdog
+from metadist.runtime.tracker import configure_debug
 
 BACKENDS = ("gloo", "nccl", "mpi")
 
@@ -72,14 +74,6 @@ class _Runtime:
 
 _lock = threading.Lock()
 _runtime: _Runtime | None = None
-
-
-def _timeout(value: float | datetime.timedelta | None) -> datetime.timedelta | None:
-    if value is None or isinstance(value, datetime.timedelta):
-        return value
-    if value <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {value}")
-    return datetime.timedelta(seconds=float(value))
 
 
 def _gpus_for_every_local_rank(local_world_size: int) -> bool:
@@ -148,25 +142,35 @@ def _hybrid_groups(world: World) -> tuple[Group, Group]:
 
 
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None, *,
-         device: str | torch.device | None = None) -> World:
+         device: str | torch.device | None = None, debug: bool | None = None) -> World:
     """Join the job this process was launched into and return its :class:`World`.
 
     Idempotent: later calls return the same world. Adopts a process group the user already
-    initialised. A plain single process (or any world of one) opens no sockets.
+    initialised. A plain single process (or any world of one) opens no sockets. On one
+    machine every socket metadist opens listens on loopback only.
 
     Args:
         backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``None``/``"auto"`` (nccl when every
             local rank has its own GPU, else gloo).
-        timeout: seconds (or a timedelta) a collective may wait before failing.
+        timeout: seconds (or a timedelta) the rendezvous and every collective may wait
+            (default ``$METADIST_TIMEOUT``, else 300). A collective still waiting then stops
+            every rank with an error naming the op, its call number and the missing ranks.
         device: override the device (default: ``cuda:<local_rank>`` with GPUs, else cpu).
+        debug: cross-check every collective's fingerprint on all ranks first (default
+            ``$METADIST_DEBUG``); see :func:`metadist.comm.set_debug`.
     """
     global _runtime
     with _lock:
         if _runtime is not None:
             return _runtime.world
+        limit = watchdog.resolve_timeout(timeout)
+        configure_debug(debug)
         detected = launch_env.detect()
+        config = watchdog.WatchdogConfig.for_timeout(limit)
         if dist.is_available() and dist.is_initialized():
             _runtime = _adopt(detected, device)
+            if _runtime.world.world_size > 1:
+                watchdog.start(config, _runtime.world.rank, rendezvous.adopted_progress())
             return _runtime.world
         chosen = _choose_backend(backend, detected.local_world_size)
         if detected.world_size == 1:
@@ -181,30 +185,11 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
                 "for every rank"
             )
         dev = _choose_device(device, chosen, detected.local_rank, detected.local_world_size)
-        kwargs: dict[str, Any] = {"backend": chosen}
-        if (value := _timeout(timeout)) is not None:
-            kwargs["timeout"] = value
-        if chosen == "nccl":
-            kwargs["device_id"] = dev
-        if detected.use_env_init:
-            # Join torchrun's agent store as a client. The agent keeps that store across worker
-            # restarts, so a prefix per attempt stops a restarted rank from reading the previous
-            # attempt's gloo addresses (a "connection refused" at rendezvous otherwise).
-            client = dist.TCPStore(  # type: ignore[attr-defined]
-                detected.master_addr, detected.master_port, detected.world_size, is_master=False,
-                timeout=kwargs.get("timeout", datetime.timedelta(minutes=5)))
-            store = dist.PrefixStore(  # type: ignore[attr-defined]
-                f"metadist/attempt{detected.attempt}", client)
-            dist.init_process_group(store=store, rank=detected.rank,
-                                    world_size=detected.world_size, **kwargs)
-        else:
-            dist.init_process_group(
-                init_method=f"tcp://{detected.master_addr}:{detected.master_port}",
-                rank=detected.rank, world_size=detected.world_size, **kwargs,
-            )
+        progress = rendezvous.join(detected, chosen, dev, limit)
         world = World(detected.rank, detected.world_size, detected.local_rank,
                       detected.local_world_size, detected.node_rank, detected.num_nodes,
                       chosen, dev, detected.launcher)
+        watchdog.start(config, world.rank, progress)
         node_group, cross_group = _hybrid_groups(world)
         _runtime = _Runtime(world, True, node_group, cross_group)
         return world
@@ -228,6 +213,7 @@ def forget_inherited() -> None:
     """Drop a runtime copied into a forked child: the child must join its own job."""
     global _runtime
     _runtime = None
+    watchdog.forget_inherited()
 
 
 def is_initialized() -> bool:
@@ -269,6 +255,7 @@ def shutdown() -> None:
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None
+        watchdog.stop()
         if runtime is not None and runtime.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 

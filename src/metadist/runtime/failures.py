@@ -1,0 +1,143 @@
+"""How a failure on one rank is shown once.
+
+A rank that fails first is the *origin*; the errors other ranks then hit (a peer's
+connection closed under a collective, the watchdog stopping them, the same mismatch seen by
+every rank) are *secondary*. Secondary errors carry ``secondary = True`` or are recognised
+by their transport message. ``metadist run`` workers print the origin's traceback once (the
+first rank to fail claims it in the store) and a single line otherwise; they leave a
+torch-elastic error file with a ``metadist`` block that :func:`summarize_run_failure` reads
+to name the origin rank and list the others in one line each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# What gloo, NCCL and the store say when a peer process went away. Such an error is never
+# the origin: the rank that went away is.
+_PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "remote process exited",
+    "communicator was aborted",
+    "Failed to recv, got 0 bytes",
+)
+
+
+def is_peer_loss(exc: BaseException) -> bool:
+    """The error says that another rank's process or connection disappeared."""
+    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _PEER_LOSS)
+
+
+def is_secondary(exc: BaseException) -> bool:
+    """The error is a consequence of another rank's failure, not a failure of its own."""
+    return bool(getattr(exc, "secondary", False)) or is_peer_loss(exc)
+
+
+def one_line(exc_type: str, message: str, limit: int = 400) -> str:
+    """``"Type: first line of the message"``, cut to ``limit`` characters."""
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    text = f"{exc_type}: {first}" if first else exc_type
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def write_error_file(summary: str, detail: str, *, secondary: bool, printed: bool) -> None:
+    """Leave torch elastic's error file (its JSON layout plus a ``metadist`` block); does
+    nothing outside torchrun/``metadist run``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {"message": {"message": summary, "extraInfo": {
+        "py_callstack": detail, "timestamp": str(int(now)),
+        "metadist": {"secondary": secondary, "printed": printed, "time": now}}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the launcher then reports the exit code alone
+
+
+def record_script_failure(exc: BaseException, claim_first: Callable[[], bool]) -> None:
+    """A ``metadist run`` worker's script raised: print its traceback once across ranks (the
+    first rank to fail, by ``claim_first``) or one line, and leave the error file."""
+    rank = os.environ.get("RANK", "?")
+    secondary = is_secondary(exc)
+    origin = not secondary and claim_first()
+    detail = "".join(traceback.format_exception(exc))
+    summary = one_line(type(exc).__name__, str(exc))
+    if origin:
+        text = f"[rank {rank}] {detail}"
+    else:
+        why = ("a consequence of another rank's failure" if secondary
+               else "another rank failed first")
+        text = f"[rank {rank}] {summary} ({why}; traceback not repeated)\n"
+    os.write(2, text.encode(errors="replace"))  # one write: ranks' reports never interleave
+    write_error_file(summary, detail, secondary=not origin, printed=origin)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    rank: int
+    how: str
+    summary: str
+    detail: str
+    secondary: bool
+    printed: bool
+    when: float
+
+
+def _read(rank: int, failure: Any) -> _Failed:
+    code = int(failure.exitcode)
+    if code < 0:
+        try:
+            how = f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exit code {code}"
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        mine = extra.get("metadist", {})
+        return _Failed(rank, how, str(message.get("message", "")),
+                       str(extra.get("py_callstack", "")), bool(mine.get("secondary", False)),
+                       bool(mine.get("printed", False)), float(mine.get("time", failure.timestamp)))
+    text = str(message)
+    # torch elastic stops the other workers with SIGTERM once one has failed.
+    stopped = code == -signal.SIGTERM
+    if code >= 0 and "elastic/errors.html" in text:
+        text = ("exited without a Python exception (sys.exit, os._exit, or a crash in native "
+                "code: see its output)")
+    elif stopped:
+        text = "stopped by the launcher after another rank failed"
+    elif code < 0:
+        text = "no Python traceback: the process was killed (out of memory, or by a user?)"
+    return _Failed(rank, how, text, "", stopped, False, float(failure.timestamp))
+
+
+def summarize_run_failure(err: Any, script: str) -> str:
+    """One report for torch elastic's ``ChildFailedError``: the origin rank (its traceback was
+    printed once above, or is shown here), then one line per other failed rank."""
+    rows = [_read(int(rank), failure) for rank, failure in err.failures.items()]
+    primary = [r for r in rows if not r.secondary] or rows
+    origin = min(primary, key=lambda r: (not r.printed, r.when, r.rank))
+    lines = [f"metadist run: {script} failed",
+             f"  origin rank: {origin.rank} ({origin.how}): {origin.summary}"
+             + (" (printed above)" if origin.printed else "")]
+    if not origin.printed and origin.detail.strip():
+        lines += ["    " + line for line in origin.detail.rstrip().splitlines()]
+    for row in sorted(rows, key=lambda r: r.rank):
+        if row is not origin:
+            kind = "stopped as a consequence" if row.secondary else "also failed"
+            lines.append(f"  rank {row.rank} {kind} ({row.how}): {row.summary}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Each rank's collective progress in the rendezvous store, read only when something is stuck.
+
+Keys, under a per-job prefix:
+
+``g/<group>/r<rank>``  ``"<seq> <op>"``: the last collective this rank entered on the group.
+                      Written by the watchdog thread once a collective has waited a while,
+                      never on the hot path.
+``abort``             JSON: the first rank whose collective timed out, and which one.
+``reported``          that rank has read everyone's progress, so the others may exit (under
+                      ``launch``, mpirun and srun, rank 0's process hosts the store).
+``failed``            the first rank whose script raised: it alone prints a full traceback.
+
+Only non-blocking store operations are used (set, check, compare_set, get of a key known to
+exist) and the client has its own short timeout, so a dead or hung store costs that timeout
+once: after the first error the store is treated as gone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+from metadist.runtime.tracker import Entry, compact_ranks
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    """Rank ``rank`` found ``op #seq`` on group ``group`` past the timeout."""
+
+    rank: int
+    group: str
+    label: str
+    seq: int
+    op: str
+
+
+class Progress:
+    """The store operations of the watchdog protocol, each failing soft."""
+
+    def __init__(self, store: Any | None, where: str) -> None:
+        self._store = store
+        self.where = where  # "host:port", for messages
+        self.error: str | None = None if store is not None else "no store is available"
+        self._lock = threading.Lock()
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+    def _call(self, fn: Callable[[Any], T], default: T) -> T:
+        if self._store is None or self.error is not None:
+            return default
+        try:
+            return fn(self._store)
+        except Exception as exc:  # a dead store: remember why, stop asking
+            with self._lock:
+                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return default
+
+    def publish(self, group: str, rank: int, seq: int, op: str) -> None:
+        self._call(lambda s: s.set(f"g/{group}/r{rank}", f"{seq} {op}"), None)
+
+    def read(self, group: str, ranks: tuple[int, ...]) -> dict[int, tuple[int, str] | None] | None:
+        """Each rank's last published ``(seq, op)`` on ``group`` (None: nothing published);
+        None when the store cannot be read."""
+        def get(s: Any) -> dict[int, tuple[int, str] | None]:
+            out: dict[int, tuple[int, str] | None] = {}
+            for r in ranks:
+                key = f"g/{group}/r{r}"
+                if s.check([key]):
+                    seq, _, op = s.get(key).decode().partition(" ")
+                    out[r] = (int(seq), op)
+                else:
+                    out[r] = None
+            return out
+
+        return self._call(get, None)
+
+    def claim_abort(self, record: AbortRecord) -> AbortRecord | None:
+        """Become the rank that reports (first claim wins); returns the standing record."""
+        text = json.dumps(asdict(record))
+        got = self._call(lambda s: s.compare_set("abort", "", text), b"")
+        return AbortRecord(**json.loads(got)) if got else None
+
+    def abort_record(self) -> AbortRecord | None:
+        got = self._call(lambda s: s.get("abort") if s.check(["abort"]) else b"", b"")
+        return AbortRecord(**json.loads(got)) if got else None
+
+    def mark_reported(self) -> None:
+        self._call(lambda s: s.set("reported", "1"), None)
+
+    def wait_reported(self, limit: float) -> None:
+        """Poll (never a blocking wait, which would hold the client) until the reporting
+        rank has read the progress keys, at most ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            if self._call(lambda s: bool(s.check(["reported"])), True):
+                return
+            time.sleep(0.05)
+
+    def claim_first_failure(self, rank: int) -> bool:
+        """True for the first rank to claim it (and when the store cannot tell)."""
+        got = self._call(lambda s: s.compare_set("failed", "", str(rank)), b"")
+        return not got or got.decode() == str(rank)
+
+
+def explain(entry: Entry, states: dict[int, tuple[int, str] | None] | None, me: int,
+            progress: Progress) -> tuple[str, tuple[int, ...]]:
+    """Which ranks did not arrive at ``entry`` (or entered something else instead), in words,
+    and the missing ranks."""
+    if states is None:
+        return (f"which ranks did not arrive is unknown: the store at {progress.where} could "
+                f"not be read ({progress.error}; under metadist.launch, mpirun or srun rank 0 "
+                "hosts it, so rank 0 has probably exited)"), ()
+    behind: dict[tuple[int, str] | None, list[int]] = {}
+    diverged: dict[str, list[int]] = {}
+    for r in entry.group.ranks:
+        state = states.get(r)
+        if r == me:
+            continue
+        if state is None or state[0] < entry.seq:
+            behind.setdefault(state if state and state[0] > 0 else None, []).append(r)
+        elif state[0] == entry.seq and state[1] != entry.op:
+            diverged.setdefault(state[1], []).append(r)
+    parts = []
+    for state, ranks in sorted(behind.items(), key=lambda kv: kv[1][0]):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
+        last = (f"last collective on this group: #{state[0]} {state[1]}" if state
+                else "no collective on this group seen from it")
+        parts.append(f"{who} did not arrive ({last})")
+    for op, ranks in sorted(diverged.items(), key=lambda kv: kv[1][0]):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
+        parts.append(f"{who} entered {op} as #{entry.seq} instead: the ranks' programs diverged "
+                     "(a skipped, extra or reordered collective; METADIST_DEBUG=1 stops at the "
+                     "first differing call)")
+    if not parts:
+        parts.append("every rank entered it, yet it did not complete (a backend or network "
+                     "problem; NCCL_DEBUG=INFO or GLOO_SOCKET_IFNAME may help)")
+    missing = tuple(r for ranks in behind.values() for r in ranks)
+    return "; ".join(parts), tuple(sorted(missing))

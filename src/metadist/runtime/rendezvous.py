@@ -1,0 +1,141 @@
+"""Form the default process group under a timeout, and open the watchdog's store client.
+
+metadist builds the TCP store itself instead of handing ``tcp://`` to torch, for three reasons:
+the rendezvous gets the init timeout while the process group gets a later backstop (so the
+watchdog's message wins, see ``watchdog.backstop``); failures become errors that say which
+ranks are missing and what to do; and on one machine the store listens on loopback only
+(torch's binds every interface), with gloo pinned to the loopback interface too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from metadist.errors import RendezvousError
+from metadist.runtime import env as launch_env
+from metadist.runtime.progress import Progress
+from metadist.runtime.watchdog import TIMEOUT_VAR, backstop
+
+_STORE_TIMEOUT_S = 5.0  # the watchdog client's own limit per store operation
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr == "::1"
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _listener(addr: str, port: int) -> int:
+    """A listening socket on ``addr:port`` only, handed to the store as a file descriptor."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((addr, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise RendezvousError(
+            f"rank 0 cannot listen on {addr}:{port} ({exc.strerror or exc}); another job is "
+            "probably using this port: set MASTER_PORT to a free port") from exc
+    return sock.detach()
+
+
+def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
+    addr, port, n = detected.master_addr, detected.master_port, detected.world_size
+    limit = datetime.timedelta(seconds=timeout)
+    master = detected.rank == 0 and not detected.use_env_init
+    fd = _listener(addr, port) if master and _is_loopback(addr) else None
+    inode = os.fstat(fd).st_ino if fd is not None else None
+    try:
+        return dist.TCPStore(  # type: ignore[attr-defined]
+            addr, port, n, master, timeout=limit, multi_tenant=fd is None, master_listen_fd=fd)
+    except Exception as exc:
+        # The failed store may have closed the socket already, and the number been reused:
+        # close it only if it is still ours.
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_ino == inode:
+                    os.close(fd)
+        if master:
+            raise RendezvousError(
+                f"rank 0 waited {timeout:g} s at {addr}:{port} for the other {n - 1} rank(s) "
+                f"to join, in vain ({exc}). Start all {n} processes with the same MASTER_ADDR "
+                f"and MASTER_PORT, or raise {TIMEOUT_VAR} if they start slowly") from exc
+        raise RendezvousError(
+            f"rank {detected.rank} could not reach the rendezvous at {addr}:{port} within "
+            f"{timeout:g} s ({exc}). Check that rank 0 is running, that every rank has the same "
+            "MASTER_ADDR/MASTER_PORT, and that no firewall blocks the port") from exc
+
+
+def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
+         timeout: float) -> Progress:
+    """``init_process_group`` for ``detected``; returns the watchdog's view of the store."""
+    store = _store(detected, timeout)
+    if detected.use_env_init:
+        # torchrun's agent keeps its store across worker restarts, so a prefix per attempt
+        # stops a restarted rank from reading the previous attempt's gloo addresses.
+        prefix = f"metadist/attempt{detected.attempt}"
+        pg_store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+    else:
+        prefix = "metadist"
+        pg_store = dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
+    lo = loopback_interface()
+    if backend == "gloo" and _is_loopback(detected.master_addr) and lo is not None:
+        # One machine: gloo would otherwise listen on whatever the host name resolves to,
+        # often a public interface. Set before any group is created; later groups read it too.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    kwargs: dict[str, Any] = {"backend": backend,
+                              "timeout": datetime.timedelta(seconds=backstop(timeout))}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    try:
+        dist.init_process_group(store=pg_store, rank=detected.rank,
+                                world_size=detected.world_size, **kwargs)
+    except Exception as exc:
+        raise RendezvousError(
+            f"rank {detected.rank} reached the rendezvous at {detected.master_addr}:"
+            f"{detected.master_port} but the {backend} process group of {detected.world_size} "
+            f"ranks did not form within {timeout:g} s ({exc}); a rank stopped or hung while "
+            f"joining: check the other ranks' output, or raise {TIMEOUT_VAR}") from exc
+    return Progress(_watch_client(detected, prefix), f"{detected.master_addr}:"
+                    f"{detected.master_port}")
+
+
+def _watch_client(detected: launch_env.LaunchEnv, prefix: str) -> Any | None:
+    """A second connection to the store for the watchdog: its own short timeout, and never
+    queued behind a blocking operation of the training thread."""
+    try:
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            detected.master_addr, detected.master_port, None, False,
+            timeout=datetime.timedelta(seconds=_STORE_TIMEOUT_S), wait_for_workers=False)
+    except Exception:
+        return None
+    return dist.PrefixStore(f"{prefix}/watchdog", client)  # type: ignore[attr-defined]
+
+
+def adopted_progress() -> Progress:
+    """The watchdog's store for a process group the user created (torch's default store)."""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        store = get() if get is not None else None
+    except Exception:
+        store = None
+    if store is None:
+        return Progress(None, "the user's process group store")
+    return Progress(dist.PrefixStore("metadist/watchdog", store),  # type: ignore[attr-defined]
+                    "the user's process group store")

@@ -22,18 +22,20 @@ lint: $(STAMP)
 
 # Peer libraries are benchmark anchors only: installed beside, never into, the package env.
 BENCH_PKGS := .bench
-$(BENCH_PKGS)/.installed: $(STAMP)
+$(BENCH_PKGS)/.installed-2: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(BENCH_PKGS) fairscale==0.4.13
 	$(PY) -m pip install -q --no-deps --ignore-requires-python --target $(BENCH_PKGS) betty-ml==0.2.1
+	$(PY) -m pip install -q --no-deps --target $(BENCH_PKGS) torchopt==0.7.3 optree graphviz
 	touch $@
 
-bench: $(STAMP) $(BENCH_PKGS)/.installed
+bench: $(STAMP) $(BENCH_PKGS)/.installed-2
 	$(PY) -m benchmarks.comm
 	$(PY) -m benchmarks.ddp
 	$(PY) -m benchmarks.zero
 	$(PY) -m benchmarks.precision
 	$(PY) -m benchmarks.checkpoint
 	$(PY) -m benchmarks.meta
+	$(PY) -m benchmarks.mapreduce
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

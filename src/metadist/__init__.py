@@ -1,15 +1,20 @@
 """metadist: from one PyTorch process to many with a one-line strategy switch, with
 meta-learning gradients kept exact under data parallelism and sharding."""
 
-from metadist import comm
+from metadist import checkpoint, comm, mapreduce, meta
+from metadist.checkpoint import CheckpointError
 from metadist.comm.ops import barrier as _barrier
 from metadist.errors import (
+    CollectiveFailedError,
     CollectiveMismatchError,
+    CollectiveTimeoutError,
     LaunchTimeoutError,
     MetadistError,
     NotInitializedError,
     RankFailedError,
+    RendezvousError,
 )
+from metadist.precision import LossScaler
 from metadist.runtime.ranks import (
     get_logger,
     not_on_rank,
@@ -45,24 +50,32 @@ def barrier() -> None:
 # the builtin.
 __all__ = [
     "SELF",
+    "CheckpointError",
+    "CollectiveFailedError",
     "CollectiveMismatchError",
+    "CollectiveTimeoutError",
     "DistributedModule",
     "LaunchTimeoutError",
+    "LossScaler",
     "MetadistError",
     "NotInitializedError",
     "RankFailedError",
     "RankPool",
+    "RendezvousError",
     "Strategy",
     "SyncBatchNorm",
     "World",
     "__version__",
     "barrier",
+    "checkpoint",
     "comm",
     "cross_node_group",
     "get_logger",
     "init",
     "is_initialized",
     "launch",
+    "mapreduce",
+    "meta",
     "node_group",
     "not_on_rank",
     "on_rank",

@@ -151,7 +151,10 @@ class Watchdog:
     def _look(self) -> None:
         now = time.monotonic()
         waiting = TRACKER.waiting()
-        age = now - waiting[0].start if waiting else 0.0
+        # A rank blocked in a collective starts and finishes no other: if it still does, the
+        # oldest entry is not what it waits on (an entry left behind must not stop a healthy
+        # job), so a wait counts only from the rank's last collective activity.
+        age = (min(now - waiting[0].start, now - TRACKER.last_active) if waiting else 0.0)
         if age >= self.config.grace:
             self.publish()
         # Ask the store whether another rank is reporting only while waiting, or after a long

@@ -138,6 +138,32 @@ def test_rings_on_a_sub_group_do_not_desynchronise_world_rings() -> None:
     assert run_on_ranks(_ring_on_a_sub_group_then_the_world, 3) == [[3.0, 3.0]] * 3
 
 
+def _every_op_then_what_is_left_waiting() -> list[str]:
+    from metadist.runtime.tracker import TRACKER
+
+    n = metadist.world().world_size
+    for impl in ("auto", "native"):
+        for async_op in (False, True):
+            for rows in (1, 1 << 18):  # below and above the ring threshold
+                comm.reduce_scatter(torch.empty(rows), torch.ones(n * rows), impl=impl,
+                                    async_op=async_op).wait()
+                comm.all_gather(torch.empty(n * rows), torch.ones(rows), impl=impl,
+                                async_op=async_op).wait()
+            comm.reduce(torch.ones(4), impl=impl, async_op=async_op).wait()
+        comm.all_reduce(torch.ones(4), async_op=async_op).wait()
+        comm.broadcast(torch.ones(4), async_op=async_op).wait()
+    comm.barrier()
+    return [f"{e.op} #{e.seq}" for e in TRACKER.waiting()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_collective_is_left_waiting_after_it_returned(world: int) -> None:
+    # gloo's reduce_scatter_tensor returns a work whose is_completed() stays False after its
+    # wait(). The tracker trusted it, kept the entry "waiting", and the watchdog stopped a
+    # healthy job one timeout later (seen twice in full test-suite runs).
+    assert run_on_ranks(_every_op_then_what_is_left_waiting, world) == [[]] * world
+
+
 # ----- one failure fails all, shown once ----------------------------------------------------
 
 def _fail_inside_ddp_training() -> None:

@@ -119,13 +119,13 @@ def _reraise(entry: Entry, exc: BaseException) -> NoReturn:
 
 
 def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSpec],
-           reduce: str, root: int) -> Entry:
+           reduce: str, root: int, on_device: bool = False) -> Entry:
     """Track the collective (watchdog) and, in debug mode, cross-check its fingerprint."""
-    entry = TRACKER.enter(name, pg)
+    entry = TRACKER.enter(name, pg, on_device)
     if TRACKER.debug:
-        device = specs[0][0].device if specs else _world.world().device
+        where = specs[0][0].device if specs else _world.world().device
         try:
-            debug.check(entry, pg, size, dist.get_rank(), specs, reduce, root, device,
+            debug.check(entry, pg, size, dist.get_rank(), specs, reduce, root, where,
                         _all_gather_single)
         except BaseException as exc:
             _reraise(entry, exc)
@@ -145,7 +145,8 @@ def _launch(name: str, group: Group, tensors: Sequence[torch.Tensor], nbytes: in
     if pg is None or size == 1:
         return None
     _check(name, str(dist.get_backend(pg)), *tensors)
-    entry = _enter(name, pg, size, agree, reduce, root)
+    on_device = bool(tensors) and tensors[0].device.type != "cpu"
+    entry = _enter(name, pg, size, agree, reduce, root, on_device)
     stats.record(name, nbytes, size)
     try:
         work = call(pg)
@@ -243,6 +244,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle(output)
+    _check("all_gather", str(dist.get_backend(pg)), output, input)  # before the copy below
     if impl == "auto" and str(dist.get_backend(pg)) == "gloo":
         chunks = ring.rows(output, size)
         if chunks[rank].data_ptr() != input.data_ptr():
@@ -282,6 +284,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return Handle(output)
+    _check("reduce_scatter", str(dist.get_backend(pg)), output, input)  # before the clone
     scale = 1.0 / size if op == "mean" else None
     if impl == "auto" and str(dist.get_backend(pg)) == "gloo" and op in ("sum", "mean"):
         scratch = input if input_is_scratch else input.clone()

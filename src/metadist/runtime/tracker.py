@@ -50,12 +50,13 @@ class GroupInfo:
 class Entry:
     """One collective this process entered: where, which call, since when, and its works."""
 
-    __slots__ = ("group", "op", "seq", "start", "works")
+    __slots__ = ("device", "group", "op", "seq", "start", "works")
 
-    def __init__(self, group: GroupInfo, seq: int, op: str) -> None:
+    def __init__(self, group: GroupInfo, seq: int, op: str, device: bool = False) -> None:
         self.group = group
         self.seq = seq
         self.op = op
+        self.device = device  # runs on an accelerator stream: wait() may return before it ends
         self.start = time.monotonic()
         self.works: Sequence[Any] | None = None  # None: still being issued, or synchronous
 
@@ -102,8 +103,9 @@ class Tracker:
         self._pending: set[Entry] = set()
         self.last_active = time.monotonic()  # when a collective last started or finished
 
-    def enter(self, op: str, pg: Any) -> Entry:
-        """Record that this rank is entering ``op`` on ``pg``; returns its entry."""
+    def enter(self, op: str, pg: Any, device: bool = False) -> Entry:
+        """Record that this rank is entering ``op`` on ``pg`` (``device``: on accelerator
+        tensors); returns its entry."""
         state = self._groups.get(pg)
         if state is None:
             state = _GroupState(_describe(pg))
@@ -111,7 +113,7 @@ class Tracker:
         with self._lock:
             state.seq += 1
             state.op = op
-            entry = Entry(state.info, state.seq, op)
+            entry = Entry(state.info, state.seq, op, device)
             self._pending.add(entry)
         self.last_active = entry.start
         return entry
@@ -129,10 +131,15 @@ class Tracker:
                 self._pending.add(entry)
 
     def exit(self, entry: Entry, works: Sequence[Any] = ()) -> None:
-        """The caller is done with ``entry``. Works that are not complete yet (NCCL's wait
-        only orders streams) stay watched until the device finishes them."""
+        """The caller is done with ``entry``. On an accelerator, works that are not complete
+        yet (NCCL's wait only orders streams) stay watched until the device finishes them.
+
+        On the CPU a returned ``wait()`` is completion, and ``is_completed()`` is not asked:
+        gloo's reduce_scatter_tensor returns a work that reports False forever after its wait,
+        and trusting it left an entry "waiting" that stopped a healthy job a timeout later.
+        """
         self.last_active = time.monotonic()
-        if works and not all(w.is_completed() for w in works):
+        if entry.device and works and not all(w.is_completed() for w in works):
             entry.works = list(works)
             return
         with self._lock:

@@ -64,3 +64,18 @@ def _bf16() -> float:
 
 def test_bf16_compute_on_gpu_trains() -> None:
     assert run_on_ranks(_bf16, 1, backend=None)[0] < 0.5 - ATOL
+
+
+def _cpu_and_cuda_in_one_collective() -> str:
+    out = torch.empty(4)
+    try:
+        metadist.comm.all_gather(out, torch.ones(2, device="cuda"))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_cpu_and_cuda_tensors_in_one_collective_are_refused() -> None:
+    for message in run_on_ranks(_cpu_and_cuda_in_one_collective, 2, backend="gloo"):
+        assert message == ("all_gather: tensors are on different devices (cpu, cuda:0); move "
+                           "them to one device first")

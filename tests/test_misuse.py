@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 import metadist
+from metadist import comm
+from metadist.data import distribute_loader
+from metadist.errors import RendezvousError
+from metadist.runtime import rendezvous
+from metadist.runtime.env import detect
+from metadist.runtime.spawn import free_port
+from metadist.testing import run_on_ranks
 
 
 def test_optimizer_built_on_another_model() -> None:
@@ -50,3 +64,192 @@ def test_unknown_strategy_option_and_precision() -> None:
         metadist.strategy("ddp", bucket_mb=3)
     with pytest.raises(ValueError, match="precision 'bf16' is not known"):
         metadist.strategy("zero3", precision="bf16")
+
+
+# ----- data loaders that cannot be split by index ------------------------------------------
+
+class _Stream(IterableDataset[torch.Tensor]):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.arange(8.0).unsqueeze(1))
+
+
+class _NoLength(Dataset[torch.Tensor]):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i)])
+
+
+def test_loaders_whose_dataset_cannot_be_split() -> None:
+    stream = DataLoader(_Stream(), batch_size=2)
+    with pytest.raises(ValueError, match=r"reads an IterableDataset \(_Stream\), which cannot be "
+                                         r"split by index, so every rank would read the same "
+                                         r"samples\. Shard it inside the dataset"):
+        distribute_loader(stream, rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"dataset _NoLength has no __len__, so its samples "
+                                         r"cannot be split into per-rank index slices\. Give it "
+                                         r"a __len__"):
+        distribute_loader(DataLoader(_NoLength(), batch_size=2), rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"dataset_shards_itself=True is for an IterableDataset; "
+                                         r"TensorDataset is a map-style dataset"):
+        distribute_loader(DataLoader(TensorDataset(torch.zeros(4, 1)), batch_size=2), rank=0,
+                          world_size=2, dataset_shards_itself=True)
+
+
+def _setup_stream_loader() -> str:
+    s = metadist.strategy("ddp")
+    try:
+        s.setup_dataloader(DataLoader(_Stream(), batch_size=2))
+    except ValueError as err:
+        message = str(err)
+    else:
+        message = "no error"
+    kept = s.setup_dataloader(DataLoader(_Stream(), batch_size=2), dataset_shards_itself=True)
+    assert isinstance(kept.dataset, _Stream)
+    return message
+
+
+def test_strategy_refuses_an_iterable_dataset_unless_it_shards_itself() -> None:
+    for message in run_on_ranks(_setup_stream_loader, 2):
+        assert "pass setup_dataloader(loader, dataset_shards_itself=True)" in message
+
+
+# ----- collectives -------------------------------------------------------------------------
+
+def _mixed_devices() -> str:
+    out = torch.empty(4)
+    try:
+        comm.all_gather(out, torch.empty(2, device="meta"))  # a CPU output, another device in
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_tensors_on_different_devices_in_one_collective() -> None:
+    # On a GPU machine tests/test_gpu.py mixes cpu and cuda; "meta" stands in for it here.
+    for message in run_on_ranks(_mixed_devices, 2):
+        assert message == ("all_gather: tensors are on different devices (cpu, meta); move "
+                           "them to one device first")
+
+
+# ----- processes that disagree about the job they join ---------------------------------------
+
+_JOIN = """
+import os
+import sys
+import time
+import torch
+import metadist
+from metadist import comm
+try:
+    metadist.init(backend=sys.argv[1], timeout=30)
+except metadist.RendezvousError as err:
+    print(f"{type(err).__name__}: {err}", flush=True)
+    sys.exit(3)
+t = torch.ones(1)
+comm.all_reduce(t)
+print(f"joined, sum {t.item():g}", flush=True)
+while len(sys.argv) > 2 and not os.path.exists(sys.argv[2]):  # keep the job (and store) up
+    time.sleep(0.05)
+metadist.shutdown()
+"""
+
+
+def _join(ranks: list[tuple[int, int, str]], hold: str = "") -> list[tuple[int, str]]:
+    """Start one process per ``(RANK, WORLD_SIZE, backend)`` on one rendezvous; their exit
+    codes and output, in order. With ``hold``, processes that joined stay until the first
+    process has exited (rank 0 hosts the store: a late process must still find it)."""
+    port = str(free_port())
+    procs = []
+    for rank, size, backend in ranks:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "TORCHELASTIC", "OMPI_",
+                                    "PMI_", "SLURM_", "METADIST_"))}
+        env.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", _JOIN, backend,
+                                       *([hold] if hold else [])], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    if hold:
+        deadline = time.monotonic() + 60
+        while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        open(hold, "w").close()
+    return [(p.wait(timeout=60), p.communicate()[0]) for p in procs]
+
+
+@pytest.mark.parametrize("sizes", [(2, 3), (3, 2)], ids=["rank1-bigger", "rank0-bigger"])
+def test_ranks_started_for_different_world_sizes_are_named_at_once(
+        sizes: tuple[int, int]) -> None:
+    start = time.monotonic()
+    results = _join([(0, sizes[0], "gloo"), (1, sizes[1], "gloo")])
+    assert time.monotonic() - start < 25, "a mismatch must not wait for the 30 s timeout"
+    expected = (f"rank 1 was started for a world of {sizes[1]} ranks but rank 0 for "
+                f"{sizes[0]}: every process must get the same WORLD_SIZE")
+    for code, out in results:
+        assert code == 3, out
+        assert "WorldMismatchError" in out and expected in out, out
+
+
+def test_two_processes_claiming_one_rank(tmp_path: Path) -> None:
+    results = _join([(0, 2, "gloo"), (1, 2, "gloo"), (1, 2, "gloo")], str(tmp_path / "done"))
+    failed = [out for code, out in results if code != 0]
+    assert len(failed) == 1, results
+    assert "WorldMismatchError: rank 1 is claimed twice: this process (pid" in failed[0]
+    assert "Give each process its own RANK, or give two jobs on one host different " \
+           "MASTER_PORTs" in failed[0]
+    assert [out.strip() for code, out in results if code == 0] == ["joined, sum 2"] * 2
+
+
+def test_ranks_that_chose_different_backends() -> None:
+    results = _join([(0, 2, "gloo"), (1, 2, "mpi")])
+    for code, out in results:
+        assert code == 3, out
+        assert "rank 1 chose backend 'mpi' but rank 0 chose 'gloo'" in out, out
+        assert "pass metadist.init(backend=...) explicitly" in out, out
+
+
+def test_rank_zero_names_the_ranks_that_never_arrived() -> None:
+    detected = detect({"RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": str(free_port())})
+    with pytest.raises(RendezvousError, match=r"rank 0 waited 1 s at 127\.0\.0\.1:\d+ for the "
+                                              r"other 3 rank\(s\) to join, in vain: ranks 1-3 "
+                                              r"never arrived"):
+        rendezvous.join(detected, "gloo", torch.device("cpu"), 1.0)
+
+
+def test_model_on_the_meta_device_says_to_materialize_it() -> None:
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    for name in ("single", "zero3"):
+        with pytest.raises(ValueError, match=r"7 parameter\(s\) or buffer\(s\) of the model are "
+                                             r"on the meta device .* \(first: '0.weight'\); "
+                                             r"materialize them before setup: model.to_empty"):
+            metadist.strategy(name).setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def _shard(strategy: str, optimizer: str) -> str:
+    net = nn.Linear(6, 4)
+    make = getattr(torch.optim, optimizer)
+    try:
+        metadist.strategy(strategy).setup(net, make(net.parameters()))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_optimizers_that_cannot_step_a_shard() -> None:
+    cases = [("zero1", "LBFGS"), ("zero3", "LBFGS"), ("zero2", "Adafactor"),
+             ("zero3", "Adafactor"), ("zero3", "Adam")]
+    got = run_on_ranks(_shard_all, 2, args=(cases,))[0]
+    lbfgs = ("LBFGS cannot be sharded: its line search and curvature pairs read every "
+             "parameter at once, and each rank steps only its share of them. Use a replicated "
+             "strategy (ddp) for it")
+    assert got[:2] == [lbfgs, lbfgs]
+    assert got[2] == "no error"  # zero2 gives each rank whole matrices
+    assert got[3].startswith("Adafactor cannot step flat slices of parameters (zero3, fsdp, "
+                             "hsdp): it factors each matrix's second moment over its rows and "
+                             "columns. Use zero1 or zero2")
+    assert got[4] == "no error"
+
+
+def _shard_all(cases: list[tuple[str, str]]) -> list[str]:
+    return [_shard(s, o) for s, o in cases]

@@ -13,6 +13,7 @@ from metadist.errors import (
     NotInitializedError,
     RankFailedError,
     RendezvousError,
+    WorldMismatchError,
 )
 from metadist.precision import LossScaler
 from metadist.runtime.ranks import (
@@ -65,6 +66,7 @@ __all__ = [
     "Strategy",
     "SyncBatchNorm",
     "World",
+    "WorldMismatchError",
     "__version__",
     "barrier",
     "checkpoint",

@@ -24,9 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler
-
-from metadist.runtime.ranks import get_logger
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 BatchHook = Callable[[float, float], None]
 _POSITION = ("epoch", "steps", "consumed")
@@ -249,18 +255,47 @@ _KEEP = ("num_workers", "collate_fn", "pin_memory", "timeout", "multiprocessing_
          "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 
 
+def _check_splittable(loader: DataLoader[Any], world_size: int,
+                      dataset_shards_itself: bool) -> bool:
+    """False when ``loader`` must be returned as is; raises when splitting it by index
+    cannot work and returning it as is would feed every rank the same samples."""
+    dataset = loader.dataset
+    name = type(dataset).__name__
+    if isinstance(dataset, IterableDataset):
+        if dataset_shards_itself or world_size == 1:
+            return False
+        raise ValueError(
+            f"setup_dataloader: the loader reads an IterableDataset ({name}), which cannot be "
+            "split by index, so every rank would read the same samples. Shard it inside the "
+            "dataset (e.g. yield every world_size-th item from metadist.world().rank on) and "
+            "pass setup_dataloader(loader, dataset_shards_itself=True), or use a map-style "
+            "Dataset with __len__ and __getitem__. (A metadist.meta.Problem reads any iterable "
+            "that is not a DataLoader as it is.)")
+    if dataset_shards_itself:
+        raise ValueError(f"setup_dataloader: dataset_shards_itself=True is for an "
+                         f"IterableDataset; {name} is a map-style dataset, which metadist "
+                         "splits by index itself: drop the option")
+    batch_sampler = loader.batch_sampler
+    if (type(batch_sampler) is BatchSampler and isinstance(batch_sampler.sampler, (
+            SequentialSampler, RandomSampler)) and not isinstance(dataset, Sized)):
+        raise ValueError(
+            f"setup_dataloader: dataset {name} has no __len__, so its samples cannot be split "
+            "into per-rank index slices. Give it a __len__ (the number of samples), or make it "
+            "an IterableDataset that shards itself and pass "
+            "setup_dataloader(loader, dataset_shards_itself=True)")
+    return True
+
+
 def distribute_loader(loader: DataLoader[Any], *, rank: int, world_size: int, seed: int = 0,
-                      on_batch: BatchHook | None = None) -> DataLoader[Any]:
+                      on_batch: BatchHook | None = None,
+                      dataset_shards_itself: bool = False) -> DataLoader[Any]:
     """Re-create ``loader`` for ``rank`` of ``world_size``, keeping its batch size, shuffle,
     drop_last, collate_fn, workers and pinning. A loader that already has a distributed
-    sampler, or reads an IterableDataset (which only the dataset itself can shard), is
-    returned as is."""
-    if _is_distributed(loader):
-        return loader
-    if isinstance(loader.dataset, IterableDataset):
-        get_logger("data").warning(
-            "setup_dataloader: an IterableDataset cannot be split by index; it is returned as "
-            "is, so shard it inside the dataset (e.g. by metadist.world().rank)")
+    sampler is returned as is. An IterableDataset cannot be split by index: it must shard
+    itself, which ``dataset_shards_itself=True`` declares (the loader is then returned as
+    is); without it, more than one rank is an error rather than duplicated data."""
+    if _is_distributed(loader) or not _check_splittable(loader, world_size,
+                                                        dataset_shards_itself):
         return loader
     batch_sampler = loader.batch_sampler
     if type(batch_sampler) is BatchSampler and isinstance(batch_sampler.sampler, Sized):

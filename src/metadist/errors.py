@@ -22,6 +22,10 @@ class RendezvousError(MetadistError):
     """:func:`metadist.init` could not form the process group (in time, or at all)."""
 
 
+class WorldMismatchError(RendezvousError):
+    """The processes of a job disagree about it (world size, backend, who holds which rank)."""
+
+
 class RankFailedError(MetadistError):
     """A rank of a job started by :func:`metadist.launch` raised; carries its traceback.
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from metadist.errors import RendezvousError
 from metadist.runtime import env as launch_env
+from metadist.runtime import handshake
 from metadist.runtime.progress import Progress
 from metadist.runtime.watchdog import TIMEOUT_VAR, backstop
 
@@ -62,8 +63,11 @@ def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
     fd = _listener(addr, port) if master and _is_loopback(addr) else None
     inode = os.fstat(fd).st_ino if fd is not None else None
     try:
+        # The handshake waits for the workers instead of the store, so that a rank started
+        # for another world size is named at once rather than after the timeout.
         return dist.TCPStore(  # type: ignore[attr-defined]
-            addr, port, n, master, timeout=limit, multi_tenant=fd is None, master_listen_fd=fd)
+            addr, port, n, master, timeout=limit, wait_for_workers=False,
+            multi_tenant=fd is None, master_listen_fd=fd)
     except Exception as exc:
         # The failed store may have closed the socket already, and the number been reused:
         # close it only if it is still ours.
@@ -73,9 +77,9 @@ def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
                     os.close(fd)
         if master:
             raise RendezvousError(
-                f"rank 0 waited {timeout:g} s at {addr}:{port} for the other {n - 1} rank(s) "
-                f"to join, in vain ({exc}). Start all {n} processes with the same MASTER_ADDR "
-                f"and MASTER_PORT, or raise {TIMEOUT_VAR} if they start slowly") from exc
+                f"rank 0 could not start the rendezvous store at {addr}:{port} ({exc}); "
+                "another job is probably using this port: set MASTER_PORT to a free port"
+            ) from exc
         raise RendezvousError(
             f"rank {detected.rank} could not reach the rendezvous at {addr}:{port} within "
             f"{timeout:g} s ({exc}). Check that rank 0 is running, that every rank has the same "
@@ -83,8 +87,10 @@ def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
 
 
 def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
-         timeout: float) -> Progress:
-    """``init_process_group`` for ``detected``; returns the watchdog's view of the store."""
+         timeout: float, collective_timeout: float | None = None) -> Progress:
+    """``init_process_group`` for ``detected`` within ``timeout`` seconds; returns the
+    watchdog's view of the store. The process group's own limit is a backstop behind the
+    watchdog's ``collective_timeout`` (default: ``timeout``)."""
     store = _store(detected, timeout)
     if detected.use_env_init:
         # torchrun's agent keeps its store across worker restarts, so a prefix per attempt
@@ -94,13 +100,17 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
     else:
         prefix = "metadist"
         pg_store = dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
+    where = f"{detected.master_addr}:{detected.master_port}"
+    handshake.check(dist.PrefixStore(f"{prefix}/hello", store),  # type: ignore[attr-defined]
+                    handshake.Claim.here(detected.rank, detected.world_size, backend,
+                                         detected.launcher), timeout, where)
     lo = loopback_interface()
     if backend == "gloo" and _is_loopback(detected.master_addr) and lo is not None:
         # One machine: gloo would otherwise listen on whatever the host name resolves to,
         # often a public interface. Set before any group is created; later groups read it too.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-    kwargs: dict[str, Any] = {"backend": backend,
-                              "timeout": datetime.timedelta(seconds=backstop(timeout))}
+    limit = backstop(collective_timeout or timeout)
+    kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=limit)}
     if backend == "nccl":
         kwargs["device_id"] = device
     try:
@@ -110,10 +120,9 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
         raise RendezvousError(
             f"rank {detected.rank} reached the rendezvous at {detected.master_addr}:"
             f"{detected.master_port} but the {backend} process group of {detected.world_size} "
-            f"ranks did not form within {timeout:g} s ({exc}); a rank stopped or hung while "
+            f"ranks did not form within {limit:g} s ({exc}); a rank stopped or hung while "
             f"joining: check the other ranks' output, or raise {TIMEOUT_VAR}") from exc
-    return Progress(_watch_client(detected, prefix), f"{detected.master_addr}:"
-                    f"{detected.master_port}")
+    return Progress(_watch_client(detected, prefix), where)
 
 
 def _watch_client(detected: launch_env.LaunchEnv, prefix: str) -> Any | None:

@@ -54,6 +54,7 @@ class _Spec:
     port: int
     backend: str | None
     collective_timeout: float | None
+    startup_timeout: float  # the rendezvous: process start-up skew is not a hang
     threads: int
     parent_pid: int
     stack_file: str
@@ -128,7 +129,8 @@ def _worker(spec: _Spec, conn: Connection) -> None:
         watchdog.set_reporter(lambda r: send(("error", r.exc_type, r.message, r.stack,
                                               r.secondary)))
         try:
-            world.init(spec.backend, timeout=spec.collective_timeout)
+            world.init(spec.backend, timeout=spec.collective_timeout,
+                       rendezvous_timeout=spec.startup_timeout)
             send(("ready", None))
         except BaseException as exc:
             send(_describe(exc))
@@ -199,7 +201,7 @@ class RankPool:
         self._closed = False
         for rank in range(nprocs):
             spec = _Spec(rank, nprocs, nprocs // nnodes, port, backend, collective_timeout,
-                         threads, os.getpid(),
+                         timeout, threads, os.getpid(),
                          os.path.join(self._stack_dir.name, f"rank{rank}.txt"))
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker, args=(spec, child_end), name=f"metadist-rank{rank}")

@@ -142,7 +142,8 @@ def _hybrid_groups(world: World) -> tuple[Group, Group]:
 
 
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None, *,
-         device: str | torch.device | None = None, debug: bool | None = None) -> World:
+         device: str | torch.device | None = None, debug: bool | None = None,
+         rendezvous_timeout: float | datetime.timedelta | None = None) -> World:
     """Join the job this process was launched into and return its :class:`World`.
 
     Idempotent: later calls return the same world. Adopts a process group the user already
@@ -158,6 +159,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         device: override the device (default: ``cuda:<local_rank>`` with GPUs, else cpu).
         debug: cross-check every collective's fingerprint on all ranks first (default
             ``$METADIST_DEBUG``); see :func:`metadist.comm.set_debug`.
+        rendezvous_timeout: seconds the rendezvous alone may wait (default: ``timeout``),
+            for jobs whose processes start far apart but whose collectives must not wait.
     """
     global _runtime
     with _lock:
@@ -185,7 +188,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
                 "for every rank"
             )
         dev = _choose_device(device, chosen, detected.local_rank, detected.local_world_size)
-        progress = rendezvous.join(detected, chosen, dev, limit)
+        joining = limit if rendezvous_timeout is None else watchdog.resolve_timeout(
+            rendezvous_timeout)
+        progress = rendezvous.join(detected, chosen, dev, joining, limit)
         world = World(detected.rank, detected.world_size, detected.local_rank,
                       detected.local_world_size, detected.node_rank, detected.num_nodes,
                       chosen, dev, detected.launcher)

@@ -9,6 +9,7 @@ frozen dataclass of options; registering it here makes its name (and aliases) av
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -89,6 +90,19 @@ def _check_optimizer_matches(model: nn.Module, optimizer: Optimizer) -> None:
             "torch.optim.Adam(net.parameters())) and pass both to strategy.setup(net, opt)")
 
 
+def _check_materialized(model: nn.Module) -> None:
+    """Tensors on the meta device hold no values: moving them would fail deep inside torch
+    with a message about copies, so say what to do instead."""
+    empty = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+             if t.is_meta]
+    if empty:
+        raise ValueError(
+            f"{len(empty)} parameter(s) or buffer(s) of the model are on the meta device and "
+            f"hold no values (first: {empty[0]!r}); materialize them before setup: "
+            "model.to_empty(device=strategy.device), then initialise them (e.g. each "
+            "module's reset_parameters(), or load_state_dict)")
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyConfig:
     """Options every strategy accepts."""
@@ -163,6 +177,7 @@ class Strategy(ABC):
     def setup_module(self, model: nn.Module) -> DistributedModule:
         """Apply the precision and activation-checkpointing options, then wrap ``model`` for
         this strategy (the forward runs under the precision's autocast)."""
+        _check_materialized(model)
         precision = self.precision
         precision.check()
         model = precision.convert_module(model)
@@ -193,13 +208,20 @@ class Strategy(ABC):
     def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         """The strategy's own optimizer adaptation (sharding, step hooks)."""
 
-    def setup_dataloader(self, loader: DataLoader[Any], *, seed: int = 0) -> DataLoader[Any]:
-        """Re-create ``loader`` so each rank reads its share of every global batch."""
+    def setup_dataloader(self, loader: DataLoader[Any], *, seed: int = 0,
+                         dataset_shards_itself: bool = False) -> DataLoader[Any]:
+        """Re-create ``loader`` so each rank reads its share of every global batch.
+
+        An IterableDataset cannot be split by index: shard it inside the dataset (by
+        ``metadist.world().rank``) and pass ``dataset_shards_itself=True`` to keep the
+        loader as it is; without it, an IterableDataset on several ranks is an error.
+        """
         from metadist.data import distribute_loader
 
         w = self.world
         return distribute_loader(loader, rank=w.rank, world_size=w.world_size, seed=seed,
-                                 on_batch=self.set_batch_weight)
+                                 on_batch=self.set_batch_weight,
+                                 dataset_shards_itself=dataset_shards_itself)
 
     # ----- the step ----------------------------------------------------------------------
     def set_batch_weight(self, local: float, total: float) -> None:

@@ -241,6 +241,8 @@ SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
 class FlatLayout(OptimizerLayout):
     """Optimizer layout of flat shards: each rank steps its shard of every flat buffer."""
 
+    slices = True
+
     def __init__(self, flats: list[FlatParam]) -> None:
         self.flats = flats
         self.where = {id(p): (flat, i) for flat in flats for i, p in enumerate(flat.originals)}

@@ -33,6 +33,8 @@ class OptimizerLayout(ABC):
 
     #: a name that identifies the layout (strategy, world size, partition) in tagged dicts
     signature: str = ""
+    #: the tensors a rank steps are flat slices of parameters, not whole parameters
+    slices: bool = False
 
     @abstractmethod
     def local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -65,10 +67,37 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+# Optimizers whose update of one element reads other elements. Matched by class name along
+# the MRO, so subclasses are caught and classes missing from older torch releases cost nothing.
+_WHOLE_MODEL = {"LBFGS": "its line search and curvature pairs read every parameter at once"}
+_PER_MATRIX = {
+    "Adafactor": "it factors each matrix's second moment over its rows and columns",
+    "Muon": "it orthogonalises each matrix's update as a whole",
+}
+
+
+def _check_shardable(optimizer: Optimizer, layout: OptimizerLayout) -> None:
+    names = {cls.__name__ for cls in type(optimizer).__mro__}
+    for name, why in _WHOLE_MODEL.items():
+        if name in names:
+            raise ValueError(
+                f"{type(optimizer).__name__} cannot be sharded: {why}, and each rank steps only "
+                "its share of them. Use a replicated strategy (ddp) for it")
+    if not layout.slices:
+        return
+    for name, why in _PER_MATRIX.items():
+        if name in names:
+            raise ValueError(
+                f"{type(optimizer).__name__} cannot step flat slices of parameters (zero3, "
+                f"fsdp, hsdp): {why}. Use zero1 or zero2, which give each rank whole "
+                "parameters, or an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...)")
+
+
 def shard_optimizer(optimizer: Optimizer, layout: OptimizerLayout) -> Sharding:
     """Rebind ``optimizer``'s groups to this rank's tensors and cut its state to match."""
     if hasattr(optimizer, "metadist_sharding"):
         raise ValueError("this optimizer is already sharded by a strategy; build a new one")
+    _check_shardable(optimizer, layout)
     original_groups = [list(g["params"]) for g in optimizer.param_groups]
     sharding = Sharding(layout, original_groups)
     original = sharding.original

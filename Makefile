@@ -28,14 +28,9 @@ $(BENCH_PKGS)/.installed-2: $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(BENCH_PKGS) torchopt==0.7.3 optree graphviz
 	touch $@
 
+# Every benchmark, each in its own process; tables, results.json and plots in out/bench/.
 bench: $(STAMP) $(BENCH_PKGS)/.installed-2
-	$(PY) -m benchmarks.comm
-	$(PY) -m benchmarks.ddp
-	$(PY) -m benchmarks.zero
-	$(PY) -m benchmarks.precision
-	$(PY) -m benchmarks.checkpoint
-	$(PY) -m benchmarks.meta
-	$(PY) -m benchmarks.mapreduce
+	$(VENV)/bin/metadist bench --out out/bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info src/*.egg-info

@@ -1,6 +1,7 @@
 """Checkpoint save and load: sharded vs full format, time and bytes written.
 
     python -m benchmarks.checkpoint [--world 2] [--reps 5] [--strategies ddp,zero2,zero3]
+                                    [--json PATH] [--quick]
 
 The 25.2M-parameter MLP of the anchors with Adam (after one step, so the optimizer state
 exists: parameters 96 MiB + moments 192 MiB). For each strategy the four operations (save
@@ -23,8 +24,8 @@ from typing import Any
 import torch
 
 import metadist
-from benchmarks.common import rotation, table, timed
-from benchmarks.models import param_count, workload
+from benchmarks.common import Results, output_args, parse, rotation, run_jobs, timed
+from benchmarks.models import param_count, workload, zero3_unit_params
 
 
 def _bytes(path: Path, world: int) -> list[int]:
@@ -37,11 +38,12 @@ def _bytes(path: Path, world: int) -> list[int]:
     return out
 
 
-def _body(strategy: str, directory: str, reps: int, warmup: int) -> dict[str, Any]:
-    factory, data, loss_fn = workload("mlp")
+def _body(strategy: str, directory: str, reps: int, warmup: int,
+          quick: bool = False) -> dict[str, Any]:
+    factory, data, loss_fn = workload("mlp", quick)
     model = factory()
     params = param_count(model)  # before zero3 empties the module's own parameters
-    options = {"min_unit_params": 1_000_000} if strategy == "zero3" else {}
+    options = {"min_unit_params": zero3_unit_params(quick)} if strategy == "zero3" else {}
     s = metadist.strategy(strategy, **options)
     wrapped, opt = s.setup(model, torch.optim.Adam(model.parameters(), lr=1e-4))
     x, y = data(metadist.world().rank)[0]
@@ -76,29 +78,38 @@ def _body(strategy: str, directory: str, reps: int, warmup: int) -> dict[str, An
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--strategies", default="ddp,zero2,zero3")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (medians)")
+    ap.add_argument("--warmup", type=int, default=1, help="repetitions discarded first")
+    ap.add_argument("--strategies", default="ddp,zero2,zero3", help="comma-separated")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = ap.parse_args()
-    directory = tempfile.mkdtemp(prefix="metadist-ckpt-", dir=args.dir)
-    rows = []
-    try:
-        for strategy in args.strategies.split(","):
-            res = metadist.launch(_body, args.world, args=(strategy, directory, args.reps,
-                                                           args.warmup), threads=1, timeout=3000)[0]
+    output_args(ap)
+    args = parse(ap, reps=2, warmup=1)
+    with Results("checkpoint", args) as out:  # JSON also of what ran before a failure
+        directory = tempfile.mkdtemp(prefix="metadist-ckpt-", dir=args.dir)
+        strategies = args.strategies.split(",")
+        jobs = [(strategy, directory, args.reps, args.warmup, args.quick)
+                for strategy in strategies]
+        try:
+            results = run_jobs(_body, jobs, args.world, args.quick)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        rows, records = [], []
+        for strategy, res in zip(strategies, results, strict=True):
             for fmt in ("sharded", "full"):
                 per_rank = res["bytes"][fmt]
-                rows.append((strategy, fmt, res["median"][f"save {fmt}"] * 1e3,
-                             res["median"][f"load {fmt}"] * 1e3, sum(per_rank) / 2**20,
+                save, load = res["median"][f"save {fmt}"] * 1e3, res["median"][f"load {fmt}"] * 1e3
+                rows.append((strategy, fmt, save, load, sum(per_rank) / 2**20,
                              " / ".join(f"{b / 2**20:.1f}" for b in per_rank)))
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    print(f"## checkpoints of the MLP ({res['params'] / 1e6:.1f}M params) with Adam, world size "
-          f"{args.world}, gloo, 1 thread per rank (medians of {args.reps}, alternating)\n")
-    print(table(["strategy", "format", "save ms", "load ms", "written MiB",
-                 "per rank MiB (rank 0 / 1 / ...)"], rows))
+                records.append({"strategy": strategy, "format": fmt, "save_ms": save,
+                                "load_ms": load, "written_bytes": sum(per_rank),
+                                "per_rank_bytes": per_rank})
+        out.heading(f"checkpoints of the MLP ({res['params'] / 1e6:.1f}M params) with Adam, world "
+                    f"size {args.world}, gloo, 1 thread per rank (medians of {args.reps}, "
+                    "alternating)")
+        out.table(["strategy", "format", "save ms", "load ms", "written MiB",
+                   "per rank MiB (rank 0 / 1 / ...)"], rows, key="checkpoint")
+        out.data = {"world": args.world, "params": res["params"], "rows": records}
 
 
 if __name__ == "__main__":

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
+import platform
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+import metadist
+from benchmarks import PEERS
+from benchmarks.tables import table
 from metadist import comm
 
 
@@ -39,11 +51,120 @@ def alternate(configs: dict[str, Callable[[], object]], reps: int,
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table."""
-    def cell(v: object) -> str:
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+def run_jobs(body: Callable[..., Any], jobs: Sequence[tuple[Any, ...]], world: int,
+             quick: bool, timeout: float = 3000) -> list[Any]:
+    """Rank 0's result of ``body(*job)`` for each job. Normally every job gets fresh
+    processes (one launch each, as the published figures were measured); under ``--quick``
+    one pool runs them all, so the ranks' start-up and first-use imports are paid once."""
+    if not quick:
+        return [metadist.launch(body, world, args=job, threads=1, timeout=timeout)[0]
+                for job in jobs]
+    with metadist.RankPool(world, threads=1, timeout=timeout) as pool:
+        return [pool.run(body, job, timeout=timeout)[0] for job in jobs]
 
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+
+def use_peers() -> bool:
+    """Put ``.bench/`` on the path *after* ours (a wheel there ships a ``benchmarks`` package
+    too); False when it is not installed, so the anchor rows it provides are skipped."""
+    if not PEERS.is_dir():
+        return False
+    if str(PEERS) not in sys.path:
+        sys.path.append(str(PEERS))
+    return True
+
+
+def output_args(ap: argparse.ArgumentParser) -> None:
+    """The options every benchmark shares: machine-readable output and the CI-sized run."""
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the results (every figure of the tables) as JSON here")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny models, 2 steps, 1 warm-up: checks the pipeline, not the speed")
+
+
+def parse(ap: argparse.ArgumentParser, **small: Any) -> argparse.Namespace:
+    """Parse the command line; under ``--quick`` the defaults become ``small`` (fewer steps,
+    fewer sizes), options given explicitly still win."""
+    first, _ = ap.parse_known_args()
+    if first.quick:
+        ap.set_defaults(**small)
+    return ap.parse_args()
+
+
+def environment() -> dict[str, Any]:
+    """Where the figures were measured: they mean little without it."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "device": "cpu", "backend": "gloo",
+            "cuda_available": cuda,
+            "cuda_device": torch.cuda.get_device_name(0) if cuda else None}
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy: NaN/inf (an anchor that did not run) become null, tuples lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+class Results:
+    """What a benchmark prints, kept for ``--json``: the tables exactly as printed (raw
+    values, so no figure is lost to formatting) plus structured ``data`` for plots."""
+
+    def __init__(self, benchmark: str, args: argparse.Namespace) -> None:
+        self.benchmark, self.args = benchmark, args
+        self.title = ""
+        self.tables: list[dict[str, Any]] = []
+        self.notes: list[dict[str, str]] = []
+        self.skipped: list[str] = []
+        self.data: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def __enter__(self) -> Results:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        """Write the JSON even when the benchmark fails: the tables measured before the
+        failure still reach the report, next to the error."""
+        if exc is not None:
+            self.error = "".join(traceback.format_exception_only(exc)).strip()
+        self.write()
+
+    def heading(self, title: str) -> None:
+        """Start a section: the following tables belong to it."""
+        self.title = title
+        print(f"## {title}\n")
+
+    def table(self, headers: Sequence[str], rows: Sequence[Sequence[object]],
+              key: str = "") -> None:
+        print(table(headers, rows))
+        print()
+        self.tables.append({"key": key, "title": self.title, "columns": list(headers),
+                            "rows": [list(r) for r in rows]})
+
+    def note(self, text: str) -> None:
+        print(text)
+        self.notes.append({"title": self.title, "text": text.strip()})
+
+    def skip(self, what: str, why: str) -> None:
+        """An anchor that could not run: said on stdout and listed in the report."""
+        print(f"({what} skipped: {why})\n")
+        self.skipped.append(f"{what}: {why}")
+
+    def write(self) -> None:
+        if not self.args.json:
+            return
+        settings = {k: v for k, v in vars(self.args).items() if k != "json"}
+        payload = {"benchmark": self.benchmark, "settings": settings,
+                   "environment": environment(), "tables": self.tables, "notes": self.notes,
+                   "skipped": self.skipped, "data": self.data, "error": self.error}
+        path = Path(self.args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_plain(payload), indent=1) + "\n")

@@ -1,6 +1,7 @@
 """metadist ddp vs torch DistributedDataParallel vs the no-communication bound.
 
     python -m benchmarks.ddp [--world 2] [--steps 12] [--workloads mlp,transformer]
+                             [--json PATH] [--quick]
 
 All three train identical copies of the model in the same processes, taking turns step by
 step (warm-up discarded, medians). The bound is the same processes stepping locally with no
@@ -15,12 +16,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 import metadist
-from benchmarks.common import rotation, table, timed
+from benchmarks.common import Results, output_args, parse, rotation, run_jobs, timed
 from benchmarks.models import param_count, workload
 from metadist.comm import stats
 
@@ -50,10 +52,11 @@ def _stepper(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss_f
     return step
 
 
-def _body(name: str, steps: int, warmup: int, options: dict[str, float]) -> dict[str, object]:
+def _body(name: str, steps: int, warmup: int, options: dict[str, float],
+          quick: bool = False) -> dict[str, object]:
     from torch.nn.parallel import DistributedDataParallel
 
-    factory, data, loss_fn = workload(name)
+    factory, data, loss_fn = workload(name, quick)
     batches = data(metadist.world().rank)
     configs: dict[str, Callable[[], None]] = {}
     phases: dict[str, Phases] = {k: {} for k in ("no-comm bound", "torch DDP", "metadist ddp")}
@@ -90,7 +93,9 @@ def _body(name: str, steps: int, warmup: int, options: dict[str, float]) -> dict
             "phases": {k: {ph: statistics.median(v[warmup:]) for ph, v in p.items()}
                        for k, p in phases.items()},
             "params": param_count(local), "calls": traffic.calls,
-            "bytes": traffic.ops["all_reduce"].bytes, "wire": traffic.wire_bytes}
+            "bytes": traffic.ops["all_reduce"].bytes, "wire": traffic.wire_bytes,
+            "ops": {op: {"calls": s.calls, "payload_bytes": s.bytes, "wire_bytes": s.wire_bytes}
+                    for op, s in traffic.ops.items()}}
 
 
 def _plot(results: dict[str, dict[str, object]], path: str) -> None:
@@ -112,52 +117,84 @@ def _plot(results: dict[str, dict[str, object]], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--workloads", default="mlp,transformer")
-    ap.add_argument("--plot", default="docs/figures/ddp_step_time.png")
-    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    args = ap.parse_args()
-    results = {}
-    for name in args.workloads.split(","):
-        options = {"bucket_cap_mb": args.bucket_cap_mb}
-        results[name] = metadist.launch(_body, args.world,
-                                        args=(name, args.steps, args.warmup, options),
-                                        threads=1, timeout=1800)[0]
-    n = args.world
-    print(f"## ddp step time, world size {n}, gloo, 1 thread per rank, Adam "
-          f"(medians of {args.steps}, alternating, {args.warmup} warm-up steps discarded)\n")
+ROLES = {"no-comm bound": "bound", "torch DDP": "anchor", "metadist ddp": "metadist"}
+
+
+def _data(results: dict[str, dict[str, Any]], n: int) -> dict[str, Any]:
+    """The structured results: per workload, configurations with their role, ms and (ours)
+    traffic against the ring limit, and the ratios the tables show."""
+    out = {}
+    for name, res in results.items():
+        med, ring = res["median"], 2 * res["params"] * 4 * (n - 1) / n
+        configs: dict[str, Any] = {
+            k: {"role": ROLES[k], "ms": med[k] * 1e3,
+                "phases_ms": {ph: v * 1e3 for ph, v in res["phases"][k].items()}}
+            for k in med}
+        configs["metadist ddp"]["traffic"] = {
+            "calls": res["calls"], "payload_bytes": res["bytes"], "wire_bytes": res["wire"],
+            "ring_limit_bytes": ring, "wire_over_limit": res["wire"] / ring, "ops": res["ops"]}
+        ratios = [{"config": a, "reference": b, "ratio": med[a] / med[b]}
+                  for a, b in (("metadist ddp", "torch DDP"), ("torch DDP", "no-comm bound"),
+                               ("metadist ddp", "no-comm bound"))]
+        out[name] = {"params": res["params"], "configs": configs, "ratios": ratios}
+    return {"world": n, "workloads": out}
+
+
+def _report(out: Results, results: dict[str, dict[str, Any]], n: int, steps: int,
+            warmup: int) -> None:
+    out.heading(f"ddp step time, world size {n}, gloo, 1 thread per rank, Adam "
+                f"(medians of {steps}, alternating, {warmup} warm-up steps discarded)")
     rows = []
     for name, res in results.items():
         med = res["median"]
         bound, torch_ddp, ours = med["no-comm bound"], med["torch DDP"], med["metadist ddp"]
         rows.append((f"{name} ({res['params'] / 1e6:.1f}M)", bound * 1e3, torch_ddp * 1e3,
                      ours * 1e3, ours / torch_ddp, torch_ddp / bound, ours / bound))
-    print(table(["workload", "no-comm ms", "torch DDP ms", "metadist ddp ms",
-                 "ours / torch", "torch / bound", "ours / bound"], rows))
-    print()
+    out.table(["workload", "no-comm ms", "torch DDP ms", "metadist ddp ms",
+               "ours / torch", "torch / bound", "ours / bound"], rows, key="step_time")
     rows = []
     for name, res in results.items():
         for config, ph in res["phases"].items():
             rows.append((name, config, ph["forward"] * 1e3, ph["backward"] * 1e3,
                          ph["step"] * 1e3))
-    print(table(["workload", "configuration", "forward ms", "backward ms (incl. sync)",
-                 "optimizer ms"], rows))
-    print()
+    out.table(["workload", "configuration", "forward ms", "backward ms (incl. sync)",
+               "optimizer ms"], rows, key="phases")
     rows = []
     for name, res in results.items():
         ring = 2 * res["params"] * 4 * (n - 1) / n
         rows.append((name, res["calls"], res["bytes"] / 2**20, res["wire"] / 2**20, ring / 2**20,
                      res["wire"] / ring))
-    print(table(["workload", "collectives / step", "payload MiB", "wire MiB (ring model)",
-                 "ring limit 2P(N-1)/N MiB", "wire / limit"], rows))
-    if args.plot:
-        os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
-        _plot(results, args.plot)
-        print(f"\nplot: {args.plot}")
+    out.table(["workload", "collectives / step", "payload MiB", "wire MiB (ring model)",
+               "ring limit 2P(N-1)/N MiB", "wire / limit"], rows, key="traffic")
+    out.data = _data(results, n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
+    ap.add_argument("--workloads", default="mlp,transformer", help="comma-separated")
+    ap.add_argument("--plot", default=None,
+                    help="PNG of the step times (default docs/figures/ddp_step_time.png, none "
+                         "under --quick; '' for none)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    output_args(ap)
+    args = parse(ap, steps=2, warmup=1, plot="")
+    if args.plot is None:
+        args.plot = "docs/figures/ddp_step_time.png"
+    with Results("ddp", args) as out:  # JSON also of what ran before a failure
+        names = args.workloads.split(",")
+        options = {"bucket_cap_mb": args.bucket_cap_mb}
+        jobs = [(name, args.steps, args.warmup, options, args.quick) for name in names]
+        results = dict(zip(names, run_jobs(_body, jobs, args.world, args.quick, timeout=1800),
+                           strict=True))
+        _report(out, results, args.world, args.steps, args.warmup)
+        if args.plot:
+            os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+            _plot(results, args.plot)
+            print(f"plot: {args.plot}")  # the report embeds it: no note there
+            out.data["plots"] = {"step times": os.path.abspath(args.plot)}
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ torchopt.distributed, on the same second-order MAML problem, world size 2.
 
     python -m benchmarks.mapreduce [--reps 10] [--meta-batch 25] [--inner-steps 1]
                                    [--inner functional|metasgd] [--torch-rpc-defaults]
+                                   [--json PATH] [--quick]
 
 Sinusoid regression as in the MAML paper: a 1-40-40-1 MLP (tanh, so second-order terms are
 not zero), 10 support and 10 query points per task, ``meta-batch`` tasks per meta-step,
@@ -23,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from torch.func import functional_call
 
 import metadist
 import metadist.mapreduce as todist
-from benchmarks.common import alternate, table
+from benchmarks.common import Results, alternate, output_args, parse, use_peers
 from metadist.meta import MetaSGD, module_clone
 
 K, INNER_LR = 10, 0.01
@@ -163,47 +162,52 @@ CONFIGS = ["one process", "metadist spmd", "metadist rpc", "TorchOpt 0.7.3 rpc"]
 
 
 def main() -> None:
-    bench_pkgs = Path(__file__).resolve().parent.parent / ".bench"  # `make bench` installs here
-    if bench_pkgs.is_dir():
-        sys.path.append(str(bench_pkgs))  # after ours (a wheel there ships `benchmarks` too)
+    peers = use_peers()
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--meta-batch", type=int, default=25)
-    ap.add_argument("--inner-steps", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=10, help="timed meta-steps (medians)")
+    ap.add_argument("--warmup", type=int, default=2, help="meta-steps discarded first")
+    ap.add_argument("--meta-batch", type=int, default=25, help="tasks per meta-step")
+    ap.add_argument("--inner-steps", type=int, default=1, help="inner SGD steps per task")
     ap.add_argument("--inner", choices=["functional", "metasgd"], default="functional")
     ap.add_argument("--torch-rpc-defaults", action="store_true",
                     help="start RPC with torch's default TensorPipe options (as TorchOpt's "
                          "auto_init_rpc does) instead of metadist's")
-    args = ap.parse_args()
-    names = list(CONFIGS)
-    try:
-        import torchopt.distributed  # noqa: F401
-    except ImportError:
-        names.remove("TorchOpt 0.7.3 rpc")
-        print("(TorchOpt is not installed in .bench/: its row is skipped; `make bench` or "
-              "`python -m pip install --no-deps --target .bench torchopt==0.7.3 optree "
-              "graphviz`)\n")
-    res = metadist.launch(_body, 2, args=(names, args.reps, args.warmup, args.meta_batch,
-                                          args.inner_steps, args.inner,
-                                          args.torch_rpc_defaults), threads=1,
-                          timeout=3000)[0]
-    med, params = res["median"], res["params"]
-    base = med.get("TorchOpt 0.7.3 rpc", float("nan"))
-    reference = params["one process"]
-    print(f"## Second-order MAML, {args.meta_batch} tasks x {args.inner_steps} inner steps "
-          f"({args.inner} inner loop) per meta-step, world size 2, gloo, 1 thread per rank, "
-          f"RPC with {'torch' if args.torch_rpc_defaults else 'metadist'}'s default options "
-          f"(medians of {args.reps}, alternating)\n")
-    rows = []
-    for name in names:
-        drift = max((p - q).abs().max().item()
-                    for p, q in zip(params[name], reference, strict=True))
-        rows.append((name, med[name] * 1e3, args.meta_batch / med[name],
-                     base / med[name], f"{drift:.1e}"))
-    print(table(["configuration", "ms / meta-step", "tasks / s", "x TorchOpt throughput",
-                 "max |param - one process| after the run"], rows))
+    output_args(ap)
+    args = parse(ap, reps=2, warmup=1, meta_batch=4)
+    with Results("mapreduce", args) as out:  # JSON also of what ran before a failure
+        names = list(CONFIGS)
+        try:
+            import torchopt.distributed  # noqa: F401
+        except ImportError:
+            names.remove("TorchOpt 0.7.3 rpc")
+            where = "not in .bench/" if peers else ".bench/ does not exist"
+            out.skip("TorchOpt 0.7.3 rpc", f"TorchOpt is not installed ({where}; `make bench` or "
+                     "`python -m pip install --no-deps --target .bench torchopt==0.7.3 optree "
+                     "graphviz`)")
+        res = metadist.launch(_body, 2, args=(names, args.reps, args.warmup, args.meta_batch,
+                                              args.inner_steps, args.inner,
+                                              args.torch_rpc_defaults), threads=1,
+                              timeout=3000)[0]
+        med, params = res["median"], res["params"]
+        base = med.get("TorchOpt 0.7.3 rpc", float("nan"))
+        reference = params["one process"]
+        out.heading(f"Second-order MAML, {args.meta_batch} tasks x {args.inner_steps} inner steps "
+                    f"({args.inner} inner loop) per meta-step, world size 2, gloo, 1 thread per "
+                    f"rank, RPC with {'torch' if args.torch_rpc_defaults else 'metadist'}'s "
+                    f"default options (medians of {args.reps}, alternating)")
+        rows, records = [], []
+        for name in names:
+            drift = max((p - q).abs().max().item()
+                        for p, q in zip(params[name], reference, strict=True))
+            rows.append((name, med[name] * 1e3, args.meta_batch / med[name],
+                         base / med[name], f"{drift:.1e}"))
+            records.append({"configuration": name, "ms": med[name] * 1e3,
+                            "tasks_per_s": args.meta_batch / med[name],
+                            "x_torchopt": base / med[name], "max_param_diff": drift})
+        out.table(["configuration", "ms / meta-step", "tasks / s", "x TorchOpt throughput",
+                   "max |param - one process| after the run"], rows, key="mapreduce")
+        out.data = {"world": 2, "rows": records}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Meta-learning throughput: MAML weak scaling, and a bilevel step against Betty 0.2.1.
 
-    python -m benchmarks.meta [--steps 20] [--warmup 3] [--parts maml,betty]
+    python -m benchmarks.meta [--steps 20] [--warmup 3] [--parts maml,betty] [--json PATH]
+                              [--quick]
 
 MAML: second-order MAML (5 inner steps, 4 tasks per rank, 40-40 tanh MLP) at world sizes 1
 and 2 with the same tasks per rank (weak scaling), three ways taking turns in the same
@@ -33,9 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +43,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import metadist
-from benchmarks.common import alternate, table
+from benchmarks.common import Results, alternate, output_args, parse, use_peers
 from metadist.comm import stats
 from metadist.meta import CGConfig, Engine, EngineConfig, NeumannConfig, Problem, ProblemConfig
 
@@ -305,56 +304,77 @@ def _max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def main() -> None:
-    bench_pkgs = Path(__file__).resolve().parent.parent / ".bench"
-    if bench_pkgs.is_dir():
-        sys.path.append(str(bench_pkgs))  # after ours (its wheels may ship a `benchmarks` too)
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--parts", default="maml,betty")
-    args = ap.parse_args()
-    parts = args.parts.split(",")
-    if "maml" in parts:
-        res = {n: metadist.launch(_maml_body, n, args=(args.steps, args.warmup), threads=1,
-                                  timeout=3000)[0] for n in (1, 2)}
-        print(f"## second-order MAML, {TASKS} tasks per rank x {INNER_STEPS} inner steps, "
-              f"gloo, 1 thread per rank (medians of {args.steps}, alternating)\n")
-        rows = []
+def _maml(out: Results, steps: int, warmup: int) -> None:
+    res = {n: metadist.launch(_maml_body, n, args=(steps, warmup), threads=1,
+                              timeout=3000)[0] for n in (1, 2)}
+    out.heading(f"second-order MAML, {TASKS} tasks per rank x {INNER_STEPS} inner steps, "
+                f"gloo, 1 thread per rank (medians of {steps}, alternating)")
+    rows, records = [], []
+    for n in (1, 2):
+        for kind, seconds in res[n].items():
+            rows.append((n, kind, seconds * 1e3, 1 / seconds, n * TASKS / seconds,
+                         f"{res[1][kind] / seconds:.2f}"))
+            records.append({"ranks": n, "configuration": kind, "ms": seconds * 1e3,
+                            "tasks_per_s": n * TASKS / seconds,
+                            "weak_scaling_efficiency": res[1][kind] / seconds})
+    out.table(["ranks", "configuration", "ms / meta-step", "meta-steps / s", "tasks / s",
+               "weak-scaling efficiency (t1 / tN)"], rows, key="maml")
+    out.data["maml"] = records
+
+
+def _betty(out: Results, steps: int, warmup: int) -> None:
+    res = {n: metadist.launch(_betty_body, n, args=(steps, warmup), threads=1,
+                              timeout=3000)[0] for n in (1, 2)}
+    out.heading(f"bilevel step (lower SGD step + hypergradient step) vs Betty 0.2.1, "
+                f"gloo, 1 thread per rank (medians of {steps}, alternating)")
+    rows, records = [], []
+    for label, _, _ in PAIRS:
+        o1, b1 = res[1][f"params {label}"]
+        o2, b2 = res[2][f"params {label}"]
         for n in (1, 2):
-            for kind, seconds in res[n].items():
-                rows.append((n, kind, seconds * 1e3, 1 / seconds, n * TASKS / seconds,
-                             f"{res[1][kind] / seconds:.2f}"))
-        print(table(["ranks", "configuration", "ms / meta-step", "meta-steps / s", "tasks / s",
-                     "weak-scaling efficiency (t1 / tN)"], rows))
-        print()
-    if "betty" in parts:
-        try:
-            import betty  # noqa: F401
-        except ImportError as err:
-            print(f"(Betty is not importable: {err}; install it into .bench, see the "
-                  "docstring)")
-            return
-        res = {n: metadist.launch(_betty_body, n, args=(args.steps, args.warmup), threads=1,
-                                  timeout=3000)[0] for n in (1, 2)}
-        print(f"## bilevel step (lower SGD step + hypergradient step) vs Betty 0.2.1, "
-              f"gloo, 1 thread per rank (medians of {args.steps}, alternating)\n")
-        rows = []
-        for label, _, _ in PAIRS:
-            o1, b1 = res[1][f"params {label}"]
-            o2, b2 = res[2][f"params {label}"]
-            for n in (1, 2):
-                t = res[n][f"time {label}"]
-                rows.append((label, n, t["metadist"] * 1e3, t["Betty"] * 1e3,
-                             f"{t['Betty'] / t['metadist']:.2f}",
-                             res[n][f"collectives {label}"] if n > 1 else "-",
-                             f"{_max_diff(o1, b1):.1e}" if n == 1 else "-",
-                             f"{_max_diff(o2, o1):.1e}" if n == 2 else "-",
-                             f"{_max_diff(b2, b1):.1e}" if n == 2 else "-"))
-        print(table(["hypergradient", "ranks", "metadist ms / it", "Betty ms / it",
-                     "speed-up", "metadist collectives / it", "max |metadist - Betty| (1 rank)",
-                     "max |metadist 2 - 1 ranks|", "max |Betty 2 - 1 ranks|"], rows))
-        print("\n(parameters after 10 iterations in float64, same init and data order)")
+            t = res[n][f"time {label}"]
+            rows.append((label, n, t["metadist"] * 1e3, t["Betty"] * 1e3,
+                         f"{t['Betty'] / t['metadist']:.2f}",
+                         res[n][f"collectives {label}"] if n > 1 else "-",
+                         f"{_max_diff(o1, b1):.1e}" if n == 1 else "-",
+                         f"{_max_diff(o2, o1):.1e}" if n == 2 else "-",
+                         f"{_max_diff(b2, b1):.1e}" if n == 2 else "-"))
+            records.append({
+                "hypergradient": label, "ranks": n, "metadist_ms": t["metadist"] * 1e3,
+                "betty_ms": t["Betty"] * 1e3, "speedup": t["Betty"] / t["metadist"],
+                "metadist_collectives": res[n][f"collectives {label}"],
+                "max_diff_vs_betty": _max_diff(o1, b1) if n == 1 else None,
+                "metadist_2_vs_1": _max_diff(o2, o1) if n == 2 else None,
+                "betty_2_vs_1": _max_diff(b2, b1) if n == 2 else None})
+    out.table(["hypergradient", "ranks", "metadist ms / it", "Betty ms / it",
+               "speed-up", "metadist collectives / it", "max |metadist - Betty| (1 rank)",
+               "max |metadist 2 - 1 ranks|", "max |Betty 2 - 1 ranks|"], rows, key="betty")
+    out.note("(parameters after 10 iterations in float64, same init and data order)")
+    out.data["betty"] = records
+
+
+def main() -> None:
+    peers = use_peers()
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
+    ap.add_argument("--parts", default="maml,betty", help="comma-separated: maml, betty")
+    output_args(ap)
+    args = parse(ap, steps=2, warmup=1)
+    with Results("meta", args) as out:  # JSON also of what ran before a failure
+        parts = args.parts.split(",")
+        if "maml" in parts:
+            _maml(out, args.steps, args.warmup)
+        if "betty" in parts:
+            try:
+                import betty  # noqa: F401
+            except ImportError as err:
+                where = "not in .bench/" if peers else ".bench/ does not exist"
+                out.skip("bilevel step vs Betty 0.2.1", f"Betty is not importable ({err}; {where}; "
+                         "`make bench` installs it there, see the docstring)")
+            else:
+                _betty(out, args.steps, args.warmup)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -39,23 +40,29 @@ class TinyTransformer(nn.Module):
         return self.head(h)
 
 
-def workload(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], list[Batch]],
-                                  Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
-    """(model factory, batches for a rank, loss) of a named workload."""
+def workload(name: str, quick: bool = False) -> tuple[
+        Callable[[], nn.Module], Callable[[int], list[Batch]],
+        Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """(model factory, batches for a rank, loss) of a named workload; ``quick`` shrinks the
+    model about 200x so that a CI run checks the pipeline in seconds."""
     match name:
         case "mlp":
+            width, depth = (256, 2) if quick else (2048, 6)
+
             def data(rank: int) -> list[Batch]:
                 g = torch.Generator().manual_seed(rank)
-                return [(torch.randn(32, 2048, generator=g),
+                return [(torch.randn(32, width, generator=g),
                          torch.randint(0, 10, (32,), generator=g)) for _ in range(4)]
 
-            return mlp, data, nn.functional.cross_entropy
+            return partial(mlp, width, depth), data, nn.functional.cross_entropy
         case "transformer":
+            vocab, d, layers, seq = (256, 64, 1, 16) if quick else (2048, 256, 4, 64)
+
             def tokens(rank: int) -> list[Batch]:
                 g = torch.Generator().manual_seed(rank)
                 out = []
                 for _ in range(4):
-                    t = torch.randint(0, 2048, (16, 65), generator=g)
+                    t = torch.randint(0, vocab, (16, seq + 1), generator=g)
                     out.append((t[:, :-1], t[:, 1:]))
                 return out
 
@@ -63,8 +70,13 @@ def workload(name: str) -> tuple[Callable[[], nn.Module], Callable[[int], list[B
                 return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                                    target.reshape(-1))
 
-            return TinyTransformer, tokens, lm_loss
+            return partial(TinyTransformer, vocab, d, layers, seq), tokens, lm_loss
     raise ValueError(f"workload {name!r} is not known; choose one of: mlp, transformer")
+
+
+def zero3_unit_params(quick: bool = False) -> int:
+    """The MLP's zero3 wrap threshold: one unit per Linear at either size."""
+    return 10_000 if quick else 1_000_000
 
 
 def param_count(model: nn.Module) -> int:

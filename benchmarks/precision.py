@@ -1,6 +1,7 @@
 """Precision modes per strategy: step time, per-rank state memory and activation memory.
 
     python -m benchmarks.precision [--world 2] [--steps 10] [--workloads transformer,mlp]
+                                   [--json PATH] [--quick]
 
 For each strategy every precision trains its own copy of the model in the same processes,
 taking turns step by step (warm-up discarded, medians), Adam. State memory is the bytes of
@@ -18,8 +19,8 @@ from typing import Any
 import torch
 
 import metadist
-from benchmarks.common import rotation, table, timed
-from benchmarks.models import workload
+from benchmarks.common import Results, output_args, parse, rotation, run_jobs, timed
+from benchmarks.models import workload, zero3_unit_params
 from metadist.testing import bytes_kept_by, unique_storage_bytes
 
 PRECISIONS = {  # label: strategy options
@@ -38,14 +39,15 @@ def _state_bytes(model: metadist.DistributedModule, opt: torch.optim.Optimizer) 
             + unique_storage_bytes(state))
 
 
-def _body(name: str, strategy: str, steps: int, warmup: int) -> dict[str, Any]:
-    factory, data, loss_fn = workload(name)
+def _body(name: str, strategy: str, steps: int, warmup: int,
+          quick: bool = False) -> dict[str, Any]:
+    factory, data, loss_fn = workload(name, quick)
     batches = data(metadist.world().rank)
     runs = {}
     for label, options in PRECISIONS.items():
         extra: dict[str, Any] = {}
         if strategy == "zero3":
-            extra = ({"min_unit_params": 1_000_000} if name == "mlp"
+            extra = ({"min_unit_params": zero3_unit_params(quick)} if name == "mlp"
                      else {"wrap_classes": (torch.nn.TransformerEncoderLayer,)})
         s = metadist.strategy(strategy, **options, **extra)
         model = factory()
@@ -80,28 +82,37 @@ def _body(name: str, strategy: str, steps: int, warmup: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--workloads", default="transformer")
-    ap.add_argument("--strategies", default="ddp,zero2,zero3")
-    args = ap.parse_args()
-    for name in args.workloads.split(","):
-        print(f"## {name}, world size {args.world}, gloo, 1 thread per rank, Adam "
-              f"(medians of {args.steps}, alternating)\n")
-        rows = []
-        for strategy in args.strategies.split(","):
-            res = metadist.launch(_body, args.world, args=(name, strategy, args.steps,
-                                                           args.warmup),
-                                  threads=1, timeout=3000)[0]
-            base = res["median"]["32-true"]
-            for label in PRECISIONS:
-                rows.append((strategy, label, res["median"][label] * 1e3,
-                             res["median"][label] / base, res["state"][label] / 2**20,
-                             res["activations"][label] / 2**20))
-        print(table(["strategy", "precision", "ms / step", "/ 32-true", "state MiB (P+G+O)",
-                     "activations MiB"], rows))
-        print()
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per precision")
+    ap.add_argument("--warmup", type=int, default=2, help="steps discarded first")
+    ap.add_argument("--workloads", default="transformer", help="comma-separated")
+    ap.add_argument("--strategies", default="ddp,zero2,zero3", help="comma-separated")
+    output_args(ap)
+    args = parse(ap, steps=2, warmup=1)
+    with Results("precision", args) as out:  # JSON also of what ran before a failure
+        records = []
+        for name in args.workloads.split(","):
+            out.heading(f"{name}, world size {args.world}, gloo, 1 thread per rank, Adam "
+                        f"(medians of {args.steps}, alternating)")
+            strategies = args.strategies.split(",")
+            jobs = [(name, strategy, args.steps, args.warmup, args.quick)
+                    for strategy in strategies]
+            rows = []
+            for strategy, res in zip(strategies, run_jobs(_body, jobs, args.world, args.quick),
+                                     strict=True):
+                base = res["median"]["32-true"]
+                for label in PRECISIONS:
+                    rows.append((strategy, label, res["median"][label] * 1e3,
+                                 res["median"][label] / base, res["state"][label] / 2**20,
+                                 res["activations"][label] / 2**20))
+                    records.append({"workload": name, "strategy": strategy, "precision": label,
+                                    "ms": res["median"][label] * 1e3,
+                                    "over_32_true": res["median"][label] / base,
+                                    "state_bytes": res["state"][label],
+                                    "activation_bytes": res["activations"][label]})
+            out.table(["strategy", "precision", "ms / step", "/ 32-true", "state MiB (P+G+O)",
+                       "activations MiB"], rows, key=f"{name} precision")
+        out.data = {"world": args.world, "rows": records}
 
 
 if __name__ == "__main__":

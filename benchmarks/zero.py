@@ -2,28 +2,37 @@
 (and FairScale OSS + ShardedDDP when it is installed in the benchmark environment).
 
     python -m benchmarks.zero [--world 2] [--steps 12] [--workloads mlp,transformer]
+                              [--json PATH] [--quick]
 
 Every configuration trains its own copy of the model in the same processes, taking turns
 step by step (warm-up discarded, medians), Adam, batch 32 per rank (16 x 64 tokens for the
 transformer). Per-rank memory is the bytes of the unique storages behind parameters,
-gradients and optimizer state after a step, next to the ZeRO formulas.
+gradients and optimizer state after a step, next to the ZeRO formulas; collectives and bytes
+of one more (untimed) step of each metadist strategy, next to the ring limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import metadist
-from benchmarks.common import rotation, table, timed
-from benchmarks.models import param_count, workload
+from benchmarks.common import (
+    Results,
+    output_args,
+    parse,
+    rotation,
+    run_jobs,
+    timed,
+    use_peers,
+)
+from benchmarks.models import param_count, workload, zero3_unit_params
+from metadist.comm import stats
 from metadist.testing import unique_storage_bytes
 
 
@@ -59,11 +68,11 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4)
 
 
-def _configs(name: str, kinds: list[str]) -> dict[str, Config]:
+def _configs(name: str, kinds: list[str], quick: bool) -> dict[str, Config]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    factory, data, loss_fn = workload(name)
+    factory, data, loss_fn = workload(name, quick)
     batches = data(metadist.world().rank)
     unit_class = nn.TransformerEncoderLayer
     out: dict[str, Config] = {}
@@ -102,7 +111,7 @@ def _configs(name: str, kinds: list[str]) -> dict[str, Config]:
                 strategy_name = kind.split()[1]
                 options: dict[str, Any] = {}
                 if strategy_name == "zero3":
-                    options = ({"min_unit_params": 1_000_000} if name == "mlp"
+                    options = ({"min_unit_params": zero3_unit_params(quick)} if name == "mlp"
                                else {"wrap_classes": (unit_class,)})
                 s = metadist.strategy(strategy_name, **options)
                 wrapped, opt = s.setup(model, _adam(model.parameters()))
@@ -111,63 +120,132 @@ def _configs(name: str, kinds: list[str]) -> dict[str, Config]:
     return out
 
 
-def _body(name: str, kinds: list[str], steps: int, warmup: int) -> dict[str, Any]:
-    configs = _configs(name, kinds)
+def _traffic(config: Config) -> dict[str, Any]:
+    """Collectives and bytes of one step (outside the timed ones: counting costs a little;
+    without the timing barriers, which are not the strategy's)."""
+    with stats.counting() as counted:
+        config.step()
+    return {"calls": counted.calls, "payload_bytes": counted.bytes,
+            "wire_bytes": counted.wire_bytes, "ops": {
+                op: {"calls": s.calls, "payload_bytes": s.bytes, "wire_bytes": s.wire_bytes}
+                for op, s in counted.ops.items()}}
+
+
+def _body(name: str, kinds: list[str], steps: int, warmup: int,
+          quick: bool = False) -> dict[str, Any]:
+    configs = _configs(name, kinds, quick)
     samples: dict[str, list[float]] = {k: [] for k in configs}
     for i in range(warmup + steps):
         for key in rotation(list(configs), i):
             t = timed(configs[key].step)
             if i >= warmup:
                 samples[key].append(t)
+    traffic = {k: _traffic(c) for k, c in configs.items() if k.startswith("metadist")}
     return {"median": {k: statistics.median(v) for k, v in samples.items()},
-            "memory": {k: c.memory() for k, c in configs.items()},
-            "params": param_count(workload(name)[0]())}
+            "memory": {k: c.memory() for k, c in configs.items()}, "traffic": traffic,
+            "params": param_count(workload(name, quick)[0]())}
 
 
 KINDS = ["no-comm bound", "torch ZeRO (DDP + ZeroRedundancyOptimizer)", "torch FSDP2 fully_shard",
          "FairScale OSS + ShardedDDP", "metadist zero1", "metadist zero2", "metadist zero3"]
 
 
+ANCHORS = ["torch ZeRO (DDP + ZeroRedundancyOptimizer)", "torch FSDP2 fully_shard",
+           "FairScale OSS + ShardedDDP", "no-comm bound"]
+
+
+def _formulas(params: int, n: int) -> dict[str, float]:
+    """Per-rank bytes of P+G+O under each ZeRO stage (Adam: O = 2P, all float32)."""
+    p_bytes = params * 4
+    return {"metadist zero1": p_bytes * (2 + 2 / n), "metadist zero2": p_bytes * (1 + 3 / n),
+            "metadist zero3": p_bytes * 4 / n}
+
+
+def _ring_limit(kind: str, params: int, n: int) -> float:
+    """Bytes one rank must send per step: 2P(N-1)/N, 3P(N-1)/N for zero3 (params gathered
+    for the forward and again for the backward)."""
+    return (3 if kind == "metadist zero3" else 2) * params * 4 * (n - 1) / n
+
+
+def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
+    """One workload's structured results: per configuration its role, ms, memory against the
+    formula and (ours) traffic against the ring limit; every ratio of the table."""
+    med, formulas = res["median"], _formulas(res["params"], n)
+    configs: dict[str, Any] = {}
+    for kind, seconds in med.items():
+        p, g, o = res["memory"][kind]
+        role = "bound" if kind == "no-comm bound" else (
+            "metadist" if kind.startswith("metadist") else "anchor")
+        entry: dict[str, Any] = {"role": role, "ms": seconds * 1e3, "memory": {
+            "params": p, "grads": g, "optim": o, "total": p + g + o}}
+        if kind in formulas:
+            entry["zero_formula_bytes"] = formulas[kind]
+            entry["total_over_formula"] = (p + g + o) / formulas[kind]
+        if kind in res["traffic"]:
+            limit = _ring_limit(kind, res["params"], n)
+            entry["traffic"] = {**res["traffic"][kind], "ring_limit_bytes": limit,
+                                "wire_over_limit": res["traffic"][kind]["wire_bytes"] / limit}
+        configs[kind] = entry
+    ratios = [{"config": kind, "reference": ref, "ratio": med[kind] / med[ref]}
+              for kind in med for ref in ANCHORS if ref in med and ref != kind]
+    return {"params": res["params"], "configs": configs, "ratios": ratios}
+
+
+def _report(out: Results, name: str, res: dict[str, Any], kinds: list[str], n: int,
+            steps: int) -> None:
+    med, formulas = res["median"], _formulas(res["params"], n)
+    out.heading(f"{name} ({res['params'] / 1e6:.1f}M params), world size {n}, gloo, 1 thread "
+                f"per rank, Adam (medians of {steps}, alternating)")
+    rows = []
+    zro = med.get("torch ZeRO (DDP + ZeroRedundancyOptimizer)", float("nan"))
+    fsdp2 = med.get("torch FSDP2 fully_shard", float("nan"))
+    for kind in kinds:
+        p, g, o = res["memory"][kind]
+        formula = formulas.get(kind)
+        rows.append((kind, med[kind] * 1e3, med[kind] / zro, med[kind] / fsdp2,
+                     p / 2**20, g / 2**20, o / 2**20, (p + g + o) / 2**20,
+                     f"{(p + g + o) / formula:.3f}" if formula else "-"))
+    out.table(["configuration", "ms / step", "/ torch ZeRO", "/ FSDP2", "params MiB",
+               "grads MiB", "optim MiB", "total MiB", "total / ZeRO formula"], rows,
+              key=f"{name} step time and memory")
+    rows = []
+    for kind, t in res["traffic"].items():
+        limit = _ring_limit(kind, res["params"], n)
+        rows.append((kind, t["calls"], t["payload_bytes"] / 2**20, t["wire_bytes"] / 2**20,
+                     limit / 2**20, t["wire_bytes"] / limit))
+    if rows:
+        out.table(["configuration", "collectives / step", "payload MiB", "wire MiB (ring model)",
+                   "ring limit MiB (2P, zero3 3P, x (N-1)/N)", "wire / limit"], rows,
+                  key=f"{name} traffic")
+
+
 def main() -> None:
-    bench_pkgs = Path(__file__).resolve().parent.parent / ".bench"  # `make bench` installs here
-    if bench_pkgs.is_dir():
-        sys.path.append(str(bench_pkgs))  # after ours (its wheel ships a `benchmarks` too)
+    peers = use_peers()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--workloads", default="mlp,transformer")
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
+    ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
+    ap.add_argument("--workloads", default="mlp,transformer", help="comma-separated")
     ap.add_argument("--only", default="", help="comma-separated subset of the configurations")
-    args = ap.parse_args()
-    kinds = [k for k in KINDS if not args.only or k in args.only.split(",")]
-    try:
-        import fairscale  # noqa: F401
-    except ImportError:
-        kinds = [k for k in kinds if k != "FairScale OSS + ShardedDDP"]
-        print("(FairScale not installed here: its row is skipped; see the README for the "
-              "benchmark environment)\n")
-    n = args.world
-    for name in args.workloads.split(","):
-        res = metadist.launch(_body, n, args=(name, kinds, args.steps, args.warmup), threads=1,
-                              timeout=3000)[0]
-        med = res["median"]
-        p_bytes = res["params"] * 4
-        formulas = {"metadist zero1": p_bytes * (2 + 2 / n),
-                    "metadist zero2": p_bytes * (1 + 3 / n), "metadist zero3": p_bytes * 4 / n}
-        print(f"## {name} ({res['params'] / 1e6:.1f}M params), world size {n}, gloo, 1 thread "
-              f"per rank, Adam (medians of {args.steps}, alternating)\n")
-        rows = []
-        zro = med.get("torch ZeRO (DDP + ZeroRedundancyOptimizer)", float("nan"))
-        fsdp2 = med.get("torch FSDP2 fully_shard", float("nan"))
-        for kind in kinds:
-            p, g, o = res["memory"][kind]
-            formula = formulas.get(kind)
-            rows.append((kind, med[kind] * 1e3, med[kind] / zro, med[kind] / fsdp2,
-                         p / 2**20, g / 2**20, o / 2**20, (p + g + o) / 2**20,
-                         f"{(p + g + o) / formula:.3f}" if formula else "-"))
-        print(table(["configuration", "ms / step", "/ torch ZeRO", "/ FSDP2", "params MiB",
-                     "grads MiB", "optim MiB", "total MiB", "total / ZeRO formula"], rows))
-        print()
+    output_args(ap)
+    args = parse(ap, steps=2, warmup=1)
+    with Results("zero", args) as out:  # JSON also of what ran before a failure
+        kinds = [k for k in KINDS if not args.only or k in args.only.split(",")]
+        try:
+            import fairscale  # noqa: F401
+        except ImportError:
+            kinds = [k for k in kinds if k != "FairScale OSS + ShardedDDP"]
+            where = "not in .bench/" if peers else ".bench/ does not exist"
+            out.skip("FairScale OSS + ShardedDDP", f"FairScale is not installed ({where}; `make "
+                     "bench` installs it there)")
+        n = args.world
+        names = args.workloads.split(",")
+        jobs = [(name, kinds, args.steps, args.warmup, args.quick) for name in names]
+        workloads: dict[str, Any] = {}
+        for name, res in zip(names, run_jobs(_body, jobs, n, args.quick), strict=True):
+            _report(out, name, res, kinds, n, args.steps)
+            workloads[name] = _data(res, n)
+        out.data = {"world": n, "workloads": workloads}
 
 
 if __name__ == "__main__":

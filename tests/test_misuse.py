@@ -253,3 +253,14 @@ def test_optimizers_that_cannot_step_a_shard() -> None:
 
 def _shard_all(cases: list[tuple[str, str]]) -> list[str]:
     return [_shard(s, o) for s, o in cases]
+
+
+def test_metadist_run_checks_its_arguments_before_starting_workers() -> None:
+    for args, expected in ((["--nproc", "2", "no_such_script.py"],
+                            "metadist run: script 'no_such_script.py' does not exist"),
+                           (["--nproc", "0", __file__], "--nproc must be at least 1, got 0")):
+        proc = subprocess.run([sys.executable, "-m", "metadist", "run", *args],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2
+        assert expected in proc.stderr
+        assert "torch.distributed" not in proc.stderr  # refused before any worker started

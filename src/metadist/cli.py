@@ -1,10 +1,12 @@
 """The ``metadist`` command: ``run`` (torch's elastic launcher underneath), ``demo``, ``env``,
-``consolidate``."""
+``consolidate``, ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,6 +15,15 @@ from metadist.runtime import env as launch_env
 
 
 def _run(ns: argparse.Namespace) -> int:
+    if not os.path.isfile(ns.script):
+        # Before any worker starts: otherwise every rank fails the same way and the summary
+        # can only say that the origin rank exited.
+        print(f"metadist run: script {ns.script!r} does not exist (looked in {os.getcwd()}); "
+              "pass the path of a Python file", file=sys.stderr)
+        return 2
+    if ns.nproc < 1:
+        print(f"metadist run: --nproc must be at least 1, got {ns.nproc}", file=sys.stderr)
+        return 2
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -75,6 +86,49 @@ def _consolidate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _suite_roots() -> list[Path]:
+    """Where a source checkout may be: the current directory, then the one this package was
+    installed from in editable mode (src/metadist/cli.py -> the checkout)."""
+    return [Path.cwd(), Path(__file__).resolve().parents[2]]
+
+
+def _find_suite(roots: Sequence[Path]) -> Path | None:
+    """The first root holding metadist's benchmark suite (benchmarks/suite.py beside
+    src/metadist: not some other project's benchmarks)."""
+    for root in roots:
+        if (root / "benchmarks" / "suite.py").is_file() and (root / "src" / "metadist").is_dir():
+            return root
+    return None
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    # The benchmarks live in the source tree, not in the wheel: run the suite from there, in
+    # its own process (each benchmark then in its own, so one failing cannot stop the rest).
+    roots = _suite_roots()
+    root = _find_suite(roots)
+    if root is None:
+        looked = " and ".join(str(r) for r in dict.fromkeys(roots))
+        print("metadist bench: the benchmark suite (benchmarks/suite.py) was not found in "
+              f"{looked}; it ships with the source, not the wheel: run `metadist bench` from a "
+              "clone of the metadist repository (or install metadist from one with "
+              "`pip install -e .`)", file=sys.stderr)
+        return 2
+    typed = ["bench", "--out", ns.out]
+    cmd = [sys.executable, "-m", "benchmarks.suite",
+           "--out", str(Path(ns.out).expanduser().resolve())]
+    for flag, value in (("--only", ns.only), ("--world", ns.world), ("--timeout", ns.timeout)):
+        if value is not None:
+            typed += [flag, str(value)]
+            cmd += [flag, str(value)]
+    if ns.quick:
+        typed.append("--quick")
+        cmd.append("--quick")
+    cmd += ["--command", shlex.join(["metadist", *typed])]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metadist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,6 +160,28 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("checkpoint", help="the sharded checkpoint directory (strategy.save)")
     cons.add_argument("out", help="the file to write")
     cons.set_defaults(handler=_consolidate)
+
+    bench = sub.add_parser(
+        "bench", help="run the benchmark suite (from a source checkout) and write a report "
+                      "with plots: OUT/report.md, OUT/results.json, OUT/*.png",
+        description="Run the benchmarks of a metadist source checkout (benchmarks/), each in "
+                    "its own process, side by side with torch's implementations and the "
+                    "no-communication bound; write OUT/report.md with tables and plots, "
+                    "OUT/results.json, OUT/logs/. Peer anchors (FairScale, Betty, TorchOpt) "
+                    "are used when `make bench` installed them into .bench/.")
+    bench.add_argument("--out", default="out/bench", help="output directory (default out/bench)")
+    bench.add_argument("--only", default=None,
+                       help="comma-separated benchmarks (default all: comm, ddp, zero, "
+                            "precision, checkpoint, meta, mapreduce)")
+    bench.add_argument("--quick", action="store_true",
+                       help="tiny models, 2 steps, 1 warm-up: checks the pipeline in seconds, "
+                            "the figures mean nothing")
+    bench.add_argument("--world", type=int, default=None,
+                       help="ranks for the benchmarks that take it (default theirs: 2)")
+    bench.add_argument("--timeout", type=float, default=None,
+                       help="seconds per benchmark before it is stopped and reported as failed "
+                            "(default 7200, quick 600)")
+    bench.set_defaults(handler=_bench)
     return parser
 
 

@@ -1,9 +1,11 @@
 """Counters of collective calls and bytes, read by tests and benchmarks.
 
-``bytes`` is the payload a caller handed to the collective. ``wire_bytes`` is what one rank
-sends under the bandwidth-optimal ring model (all_reduce 2B(N-1)/N, all_gather and
-reduce_scatter B(N-1)/N of the full buffer, broadcast/reduce B), the yardstick the
-benchmarks compare against; it is a model, not a packet capture.
+``bytes`` is the payload a caller handed to the collective. ``wire_bytes`` is what a rank
+sends on average under the bandwidth-optimal ring model: all_reduce 2B(N-1)/N, all_gather,
+reduce_scatter and all_to_all B(N-1)/N of the full buffer, and B(N-1)/N for a rooted
+broadcast, reduce, scatter or gather too (a pipelined chain carries B over N-1 links, shared
+by N ranks). It is the yardstick the benchmarks compare against, a model, not a packet
+capture.
 """
 
 from __future__ import annotations
@@ -54,17 +56,13 @@ _totals: dict[str, OpStats] = {}
 
 
 def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> float:
-    """Bytes one rank sends for ``op`` on ``nbytes`` of payload under the ring model."""
+    """Bytes a rank sends on average for ``op`` on ``nbytes`` of payload (the ring model)."""
     n = group_size
-    if n <= 1:
+    if n <= 1 or op == "barrier":
         return 0.0
-    match op:
-        case "all_reduce":
-            return 2.0 * nbytes * (n - 1) / n
-        case "all_gather" | "reduce_scatter" | "all_to_all":
-            return float(nbytes) * (n - 1) / n
-        case _:
-            return float(nbytes)
+    if op == "all_reduce":
+        return 2.0 * nbytes * (n - 1) / n
+    return float(nbytes) * (n - 1) / n
 
 
 def record(op: str, nbytes: int, group_size: int) -> None:

@@ -376,3 +376,12 @@ def test_one_node_jobs_listen_on_loopback_only() -> None:
     assert per_rank[0], "rank 0 should host the rendezvous store"
     for rank, addresses in enumerate(per_rank):
         assert set(addresses) <= _LOOPBACK, f"rank {rank} listens on {addresses}"
+
+
+@pytest.mark.parametrize(("addr", "loopback"), [
+    ("127.0.0.1", True), ("127.0.1.1", True), ("::1", True), ("localhost", True),
+    ("10.0.0.1", False), ("192.168.1.7", False), ("::ffff:10.0.0.1", False),
+    ("no-such-host.invalid", False)])
+def test_loopback_addresses_include_names_that_resolve_to_it(addr: str, loopback: bool) -> None:
+    # torchrun --standalone hands workers MASTER_ADDR=localhost: pin gloo to lo there too.
+    assert rendezvous.is_loopback(addr) is loopback

@@ -49,6 +49,17 @@ def test_run_names_a_killed_rank_as_the_origin() -> None:
     assert "Traceback" not in proc.stderr  # rank 0's lost peer is one line, never a traceback
 
 
+def test_run_names_a_rank_that_ended_cleanly_without_the_collective() -> None:
+    # Rank 1 skips all_reduce #2 and its program ends without an error: rank 0's broken
+    # collective is then the origin, and it says what rank 1 last did.
+    proc, _ = _metadist("run", "--nproc", "2", MISBEHAVE, "skip")
+    assert proc.returncode == 1, proc.stderr
+    assert ("origin rank: 0 (exit code 1): CollectiveFailedError: all_reduce #2 on the world "
+            "group failed on rank 0: a peer's connection closed; rank 1 had already left the "
+            "job after its #1 all_reduce on this group") in proc.stderr, proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") >= 1
+
+
 def test_run_stops_a_hung_job_after_the_timeout() -> None:
     proc, elapsed = _metadist("run", "--nproc", "2", MISBEHAVE, "hang", METADIST_TIMEOUT="3")
     assert proc.returncode == 1, proc.stderr

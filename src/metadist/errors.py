@@ -91,14 +91,16 @@ class CollectiveTimeoutError(MetadistError):
 
 
 class CollectiveFailedError(MetadistError):
-    """A collective broke because a peer went away (it crashed, was killed or raised and
-    exited): a consequence of that rank's failure, whose own error is the one to read."""
+    """A collective broke because a peer went away: a consequence of that rank's failure
+    (it crashed, was killed, or raised and exited), whose own error is the one to read; or,
+    when the peer left cleanly, of programs that diverged, and then this error is the origin."""
 
     secondary = True
 
     def __init__(self, message: str, *, op: str = "", seq: int = 0,
-                 missing: tuple[int, ...] = ()) -> None:
+                 missing: tuple[int, ...] = (), secondary: bool = True) -> None:
         super().__init__(message)
         self.op = op
         self.seq = seq
         self.missing = missing
+        self.secondary = secondary  # False when the lost peer left cleanly: this is the origin

@@ -1,5 +1,6 @@
 """Two all-reduces; between them rank $VICTIM (default 1) misbehaves as argv[1] says:
-raise, exit (os._exit(3)), kill (SIGKILL), hang (sleep far past the timeout), or none."""
+raise, exit (os._exit(3)), kill (SIGKILL), hang (sleep far past the timeout), skip (end the
+program cleanly without the second one), or none."""
 
 import os
 import signal
@@ -25,6 +26,8 @@ if w.rank == int(os.environ.get("VICTIM", "1")):
             os.kill(os.getpid(), signal.SIGKILL)
         case "hang":
             time.sleep(600)
+        case "skip":
+            sys.exit(0)
 comm.all_reduce(t)  # #2: the others wait here for the victim
 os.write(1, f"rank={w.rank} done\n".encode())
 metadist.shutdown()

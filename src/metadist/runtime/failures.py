@@ -39,8 +39,11 @@ def is_peer_loss(exc: BaseException) -> bool:
 
 
 def is_secondary(exc: BaseException) -> bool:
-    """The error is a consequence of another rank's failure, not a failure of its own."""
-    return bool(getattr(exc, "secondary", False)) or is_peer_loss(exc)
+    """The error is a consequence of another rank's failure, not a failure of its own.
+    An error that says so itself (metadist's own, with ``secondary``) is taken at its word:
+    its message may quote a backend's peer-loss text while being the origin."""
+    marked = getattr(exc, "secondary", None)
+    return bool(marked) if marked is not None else is_peer_loss(exc)
 
 
 def one_line(exc_type: str, message: str, limit: int = 400) -> str:
@@ -67,9 +70,19 @@ def write_error_file(summary: str, detail: str, *, secondary: bool, printed: boo
         pass  # the launcher then reports the exit code alone
 
 
+_failed_here = False
+
+
+def failed_here() -> bool:
+    """This process recorded a failure of its script (it does not leave the job cleanly)."""
+    return _failed_here
+
+
 def record_script_failure(exc: BaseException, claim_first: Callable[[], bool]) -> None:
     """A ``metadist run`` worker's script raised: print its traceback once across ranks (the
     first rank to fail, by ``claim_first``) or one line, and leave the error file."""
+    global _failed_here
+    _failed_here = True
     rank = os.environ.get("RANK", "?")
     secondary = is_secondary(exc)
     origin = not secondary and claim_first()

@@ -9,6 +9,8 @@ Keys, under a per-job prefix:
 ``reported``          that rank has read everyone's progress, so the others may exit (under
                       ``launch``, mpirun and srun, rank 0's process hosts the store).
 ``failed``            the first rank whose script raised: it alone prints a full traceback.
+``left/r<rank>``      that rank left the job cleanly (``metadist.shutdown`` or the end of its
+                      program without an error), after publishing its last collectives.
 
 Only non-blocking store operations are used (set, check, compare_set, get of a key known to
 exist) and the client has its own short timeout, so a dead or hung store costs that timeout
@@ -104,6 +106,13 @@ class Progress:
                 return
             time.sleep(0.05)
 
+    def publish_left(self, rank: int) -> None:
+        self._call(lambda s: s.set(f"left/r{rank}", "1"), None)
+
+    def left(self, ranks: tuple[int, ...]) -> set[int]:
+        """The ranks among ``ranks`` that left the job cleanly (empty when unknown)."""
+        return self._call(lambda s: {r for r in ranks if s.check([f"left/r{r}"])}, set())
+
     def claim_first_failure(self, rank: int) -> bool:
         """True for the first rank to claim it (and when the store cannot tell)."""
         got = self._call(lambda s: s.compare_set("failed", "", str(rank)), b"")
@@ -120,15 +129,24 @@ def explain(entry: Entry, states: dict[int, tuple[int, str] | None] | None, me: 
                 "hosts it, so rank 0 has probably exited)"), ()
     behind: dict[tuple[int, str] | None, list[int]] = {}
     diverged: dict[str, list[int]] = {}
+    gone = progress.left(entry.group.ranks)
+    departed: list[int] = []
+    parts = []
     for r in entry.group.ranks:
         state = states.get(r)
         if r == me:
             continue
-        if state is None or state[0] < entry.seq:
+        if r in gone and (state is None or state[0] < entry.seq):
+            departed.append(r)
+            last = (f"after its #{state[0]} {state[1]} on this group" if state
+                    else "without a collective on this group")
+            parts.append(f"rank {r} had already left the job {last} (metadist.shutdown, or its "
+                         "program ended without an error): its program skipped this collective "
+                         "or stopped early")
+        elif state is None or state[0] < entry.seq:
             behind.setdefault(state if state and state[0] > 0 else None, []).append(r)
         elif state[0] == entry.seq and state[1] != entry.op:
             diverged.setdefault(state[1], []).append(r)
-    parts = []
     for state, ranks in sorted(behind.items(), key=lambda kv: kv[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
         last = (f"last collective on this group: #{state[0]} {state[1]}" if state
@@ -142,5 +160,5 @@ def explain(entry: Entry, states: dict[int, tuple[int, str] | None] | None, me: 
     if not parts:
         parts.append("every rank entered it, yet it did not complete (a backend or network "
                      "problem; NCCL_DEBUG=INFO or GLOO_SOCKET_IFNAME may help)")
-    missing = tuple(r for ranks in behind.values() for r in ranks)
+    missing = departed + [r for ranks in behind.values() for r in ranks]
     return "; ".join(parts), tuple(sorted(missing))

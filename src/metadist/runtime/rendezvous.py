@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import socket
 from typing import Any
@@ -27,8 +28,15 @@ from metadist.runtime.watchdog import TIMEOUT_VAR, backstop
 _STORE_TIMEOUT_S = 5.0  # the watchdog client's own limit per store operation
 
 
-def _is_loopback(addr: str) -> bool:
-    return addr.startswith("127.") or addr == "::1"
+def is_loopback(addr: str) -> bool:
+    """True when every address ``addr`` resolves to is a loopback one: ``127.x``, ``::1``,
+    and names such as ``localhost`` (torchrun's ``--standalone`` uses that name)."""
+    try:
+        infos = socket.getaddrinfo(addr, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback
+                               for info in infos)
 
 
 def loopback_interface() -> str | None:
@@ -60,7 +68,7 @@ def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
     addr, port, n = detected.master_addr, detected.master_port, detected.world_size
     limit = datetime.timedelta(seconds=timeout)
     master = detected.rank == 0 and not detected.use_env_init
-    fd = _listener(addr, port) if master and _is_loopback(addr) else None
+    fd = _listener(addr, port) if master and is_loopback(addr) else None
     inode = os.fstat(fd).st_ino if fd is not None else None
     try:
         # The handshake waits for the workers instead of the store, so that a rank started
@@ -105,7 +113,7 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
                     handshake.Claim.here(detected.rank, detected.world_size, backend,
                                          detected.launcher), timeout, where)
     lo = loopback_interface()
-    if backend == "gloo" and _is_loopback(detected.master_addr) and lo is not None:
+    if backend == "gloo" and is_loopback(detected.master_addr) and lo is not None:
         # One machine: gloo would otherwise listen on whatever the host name resolves to,
         # often a public interface. Set before any group is created; later groups read it too.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)

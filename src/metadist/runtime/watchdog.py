@@ -21,6 +21,7 @@ job down as soon as one process exits non-zero.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -242,6 +243,7 @@ class Watchdog:
 
 
 _active: Watchdog | None = None
+_exit_hook = False
 
 
 def start(config: WatchdogConfig, rank: int, progress: Progress) -> Watchdog:
@@ -250,12 +252,36 @@ def start(config: WatchdogConfig, rank: int, progress: Progress) -> Watchdog:
     stop()
     _active = Watchdog(config, rank, progress)
     _active.start()
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_leave_at_exit)
+        _exit_hook = True
     return _active
 
 
-def stop() -> None:
-    """Stop the watchdog and forget every group's sequence numbers."""
+def leave() -> None:
+    """This rank leaves the job cleanly: publish its last collectives and that it left, so a
+    rank still waiting for it can say "rank 1 had already left after its #3 all_reduce"
+    rather than only "did not arrive"."""
+    watchdog = _active
+    if watchdog is not None and watchdog.progress.available:
+        watchdog.publish(force=True)
+        watchdog.progress.publish_left(watchdog.rank)
+
+
+def _leave_at_exit() -> None:
+    # A program that ends without metadist.shutdown() left too, unless it ended by an error
+    # (an uncaught exception sets sys.last_value; metadist run's entry records its own).
+    if getattr(sys, "last_value", None) is None and not failures.failed_here():
+        leave()
+
+
+def stop(*, leaving: bool = False) -> None:
+    """Stop the watchdog and forget every group's sequence numbers (``leaving``: this rank
+    leaves the job, see :func:`leave`)."""
     global _active
+    if leaving:
+        leave()
     watchdog, _active = _active, None
     if watchdog is not None:
         watchdog.stop()
@@ -293,8 +319,14 @@ def failed(entry: Entry, exc: BaseException) -> BaseException:
     time.sleep(0.2)
     states = watchdog.progress.read(entry.group.name, entry.group.ranks)
     text, missing = explain(entry, states, watchdog.rank, watchdog.progress)
+    left = bool(missing) and watchdog.progress.left(missing) == set(missing)
+    # A peer that left cleanly did not fail: the programs diverged, and this rank's error is
+    # the one to show (not secondary).
+    why = ("Every rank must issue the same collectives in the same order; this error is the "
+           "one to read" if left else
+           "That rank most likely failed or was killed: its own error is the one to read")
     return CollectiveFailedError(
         f"{entry.op} #{entry.seq} on {entry.group.label} failed on rank {watchdog.rank}: a "
-        f"peer's connection closed; {text}. That rank most likely failed or was killed: its own "
-        f"error is the one to read. (backend: {failures.one_line(type(exc).__name__, str(exc))})",
-        op=entry.op, seq=entry.seq, missing=missing)
+        f"peer's connection closed; {text}. {why}. "
+        f"(backend: {failures.one_line(type(exc).__name__, str(exc))})",
+        op=entry.op, seq=entry.seq, missing=missing, secondary=not left)

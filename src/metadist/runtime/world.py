@@ -260,7 +260,7 @@ def shutdown() -> None:
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None
-        watchdog.stop()
+        watchdog.stop(leaving=runtime is not None)
         if runtime is not None and runtime.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 

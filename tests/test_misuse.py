@@ -264,3 +264,20 @@ def test_metadist_run_checks_its_arguments_before_starting_workers() -> None:
         assert proc.returncode == 2
         assert expected in proc.stderr
         assert "torch.distributed" not in proc.stderr  # refused before any worker started
+
+
+def _single_on_two_ranks() -> str:
+    net = nn.Linear(3, 2)
+    try:
+        metadist.strategy("single").setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_single_under_a_multi_process_launch() -> None:
+    for message in run_on_ranks(_single_on_two_ranks, 2):
+        assert message.startswith("strategy 'single' runs one process, but this job has 2 "
+                                  "ranks: each would train its own copy of the model without "
+                                  "ever syncing. Use a distributed strategy")
+        assert "METADIST_LAUNCHER=single" in message

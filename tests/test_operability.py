@@ -184,6 +184,8 @@ def test_a_failure_inside_a_strategy_fails_all_ranks_with_one_traceback() -> Non
     assert (err.rank, err.exc_type) == (1, "ValueError")
     assert str(err).count("Traceback (most recent call last)") == 1
     assert "_fail_inside_ddp_training" in err.remote_traceback
+    # Rank 0, blocked in its all-reduce, is listed too, whether it reported or was stopped.
+    assert list(err.others) == [0], err.others
     assert elapsed < STARTUP
 
 

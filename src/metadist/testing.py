@@ -69,8 +69,15 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+def _storage_ptrs(tree: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
 class _StorageTracker(TorchDispatchMode):
-    """Remembers, weakly, every storage an operator allocates."""
+    """Remembers, weakly, every storage an operator allocates. Outputs that share an input's
+    storage (views such as ``weight.t()``, in-place results) allocated nothing: counting them
+    would count the parameters as activations."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,9 +86,12 @@ class _StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = _storage_ptrs((args, kwargs))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
+                if storage.data_ptr() in inputs and storage.nbytes():
+                    continue
                 self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
         return out
 

@@ -90,9 +90,17 @@ def _load_torch(source: io.BytesIO | Path, where: str, mmap: bool = False) -> An
         # weights_only errors put the useful line ("Unsupported global: ...") further down
         first = next((line for line in lines if "Unsupported" in line),
                      lines[0] if lines else type(err).__name__)
+        # torch goes on to suggest allowlisting the global: never the advice for a file that
+        # metadist did not write (it would run whatever the pickle names).
+        refused = "Unsupported global" in first
+        first = first.split(". Please use", 1)[0].split(" Please use", 1)[0]
+        hint = ("; it holds a Python object outside the weights-only allowlist, which metadist "
+                "never unpickles: it was not written by strategy.save, do not allowlist the "
+                "global unless you wrote the file yourself" if refused else
+                "; it is truncated, corrupted or not a metadist checkpoint")
         raise CorruptCheckpointError(
-            f"{where} cannot be read as a checkpoint ({type(err).__name__}: {first}); it is "
-            "truncated, corrupted or not a metadist checkpoint") from err
+            f"{where} cannot be read as a checkpoint ({type(err).__name__}: {first}){hint}"
+        ) from err
 
 
 class ShardedSource(Source):

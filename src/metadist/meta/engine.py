@@ -93,7 +93,7 @@ class Engine:
                                      **cfg.strategy_options)
             p.attach(self, strategy, cfg.seed)
         # An unbound strategy averages with 1/N; ragged shares are folded into the losses.
-        data_parallel = self.world.world_size > 1 and cfg.strategy != "single"
+        data_parallel = self.world.world_size > 1
         self._sync = (make_strategy(cfg.strategy, **cfg.strategy_options).sync_grads
                       if data_parallel else None)
 

@@ -270,6 +270,11 @@ class RankPool:
             rank, (_, exc_type, text, tb, *_) = next(
                 (f for f in failed if not _is_secondary(f[1])), failed[0])
             others = {r: failures.one_line(m[1], m[2]) for r, m in failed if r != rank}
+            # Ranks that had not reported when the grace period ended are stopped here: most
+            # likely blocked in a collective with the origin. They are listed all the same.
+            others.update({r: f"stopped by launch() after rank {rank} failed (it had not "
+                              "finished; most likely it was waiting for it in a collective)"
+                           for r in pending})
             raise RankFailedError(rank, exc_type, text, tb, others)
         return results
 

@@ -16,6 +16,15 @@ class SingleStrategy(Strategy):
     """No distribution: moves the model to the device and otherwise stays out of the way."""
 
     def _setup_module(self, model: nn.Module) -> DistributedModule:
+        size = self.world.world_size
+        if size > 1:
+            # Every rank would train its own model on its own data, never syncing: a silent
+            # N-fold job that looks like a distributed one.
+            raise ValueError(
+                f"strategy 'single' runs one process, but this job has {size} ranks: each would "
+                "train its own copy of the model without ever syncing. Use a distributed "
+                "strategy (e.g. metadist.strategy('ddp')), launch one process, or, for "
+                "independent runs on purpose, set METADIST_LAUNCHER=single in each process")
         if self.config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         return ReplicatedModule(model.to(self.device), None, broadcast_buffers=False)

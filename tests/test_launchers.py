@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,55 @@ def test_two_nodes_on_loopback_rendezvous_for_real() -> None:
     assert sorted(rows) == [0, 1]
     for rank, row in rows.items():
         assert row["node"] == f"{rank}/2" and row["result"] == "3"
+
+
+def test_elastic_job_on_one_node_starts_after_the_last_call() -> None:
+    # MIN:MAX once meant a static rendezvous waiting for MAX nodes forever.
+    start = time.monotonic()
+    proc = _metadist("run", "--nproc", "1", "--nnodes", "1:2", "--master-port", str(free_port()),
+                     "--last-call", "1", ALLREDUCE, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert _results(proc.stdout)[0]["world"] == "1"
+    assert time.monotonic() - start < 60
+
+
+def test_a_node_range_that_cannot_be_is_refused_before_any_worker_starts() -> None:
+    proc = _metadist("run", "--nnodes", "3:2", ALLREDUCE, timeout=60)
+    assert proc.returncode == 2
+    assert "--nnodes '3:2' is not a number of nodes or a range MIN:MAX" in proc.stderr
+
+
+def _elastic_node(port: str, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "metadist", "run", "--nproc", "1", "--nnodes", "1:2",
+         "--master-addr", "127.0.0.1", "--master-port", port, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_clean_env())
+
+
+def _world_of_two(nodes: list[subprocess.Popen[str]]) -> None:
+    outs = [node.communicate(timeout=120) for node in nodes]
+    for node, (_, err) in zip(nodes, outs, strict=True):
+        assert node.returncode == 0, err
+    rows = {**_results(outs[0][0]), **_results(outs[1][0])}
+    assert sorted(rows) == [0, 1]
+    for row in rows.values():  # node ranks follow the joining order, not --node-rank
+        assert (row["world"], row["result"], row["launcher"]) == ("2", "3", "torchrun")
+    assert sorted(row["node"] for row in rows.values()) == ["0/2", "1/2"]
+
+
+def test_two_elastic_nodes_on_loopback_form_one_world() -> None:
+    port = str(free_port())
+    # Both join within the last call (the rendezvous closes as soon as MAX nodes are in).
+    _world_of_two([_elastic_node(port, "--node-rank", str(i), ALLREDUCE) for i in range(2)])
+
+
+def test_a_node_joining_a_running_elastic_job_restarts_it_larger() -> None:
+    port, script = str(free_port()), str(SCRIPTS / "grow_world.py")
+    first = _elastic_node(port, "--last-call", "1", script)
+    assert first.stdout is not None
+    line = first.stdout.readline()  # its world of one is running
+    assert "world=1" in line, line + first.communicate(timeout=30)[1]
+    _world_of_two([first, _elastic_node(port, "--last-call", "1", script)])
 
 
 def test_mpirun_two_processes() -> None:

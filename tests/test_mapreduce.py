@@ -3,6 +3,7 @@ to second order, results of every kind, failures on one rank, and the rpc engine
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -238,6 +239,43 @@ def test_rpc_engine_equals_single_process() -> None:
         torch.testing.assert_close(p, q, **TOL)
     assert result["squares"][0].tolist() == [0.0, 1.0, 4.0, 9.0]
     assert result["grad"].tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def _rpc_listeners() -> list[str]:
+    from test_operability import _listening_addresses
+
+    todist.init("rpc")
+    try:
+        todist.barrier()  # every rank's RPC agent is up
+        return _listening_addresses()
+    finally:
+        todist.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_rpc_engine_listens_on_loopback_only() -> None:
+    # torch's tcp:// rendezvous would add a store on every interface of rank 0; fresh
+    # processes, as pooled ones may hold other tests' listeners.
+    from test_operability import _LOOPBACK
+
+    for rank, addresses in enumerate(metadist.launch(_rpc_listeners, 2, timeout=120,
+                                                     threads=1)):
+        assert addresses, f"rank {rank} should listen for RPC"
+        assert set(addresses) <= _LOOPBACK, f"rank {rank} listens on {addresses}"
+
+
+def test_rpc_pins_its_interfaces_to_loopback_on_one_machine_only() -> None:
+    # TensorPipe listens where the host name resolves (loopback on some machines only).
+    from metadist.mapreduce import rpc
+    from metadist.runtime.rendezvous import loopback_interface
+
+    lo = loopback_interface()
+    assert lo is not None
+    assert rpc.loopback_pins("127.0.0.1", {}) == {"TP_SOCKET_IFNAME": lo,
+                                                  "GLOO_SOCKET_IFNAME": lo}
+    assert rpc.loopback_pins("localhost", {"TP_SOCKET_IFNAME": "eth1"}) == {
+        "GLOO_SOCKET_IFNAME": lo}  # the user's choice stands
+    assert rpc.loopback_pins("10.0.0.1", {}) == {}  # several nodes: their real interface
 
 
 def _auto_init() -> tuple[str, str, int]:

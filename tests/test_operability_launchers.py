@@ -15,6 +15,9 @@ import pytest
 
 pytestmark = pytest.mark.launcher
 MISBEHAVE = str(Path(__file__).parent / "scripts" / "misbehave.py")
+LISTENERS = str(Path(__file__).parent / "scripts" / "listeners.py")
+_LOOPBACK = {"0100007F", "00000000000000000000000001000000",  # 127.0.0.1, ::1
+             "0000000000000000FFFF00000100007F"}  # ::ffff:127.0.0.1
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -86,3 +89,15 @@ def test_env_reports_backends_device_versions_and_variables() -> None:
                     r"SLURM_\*\s+SLURM_JOB_ID=42", r"OMPI_\*\s+OMPI_MCA_foo=1",
                     r"TORCHELASTIC_\*\s+none set", r"METADIST_\*\s+METADIST_TIMEOUT=7"):
         assert re.search(pattern, out), f"{pattern!r} not in:\n{out}"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_run_on_one_node_listens_on_loopback_only() -> None:
+    # torch's agent would serve its rendezvous and the workers' store on every interface:
+    # metadist run meets through a file and rank 0's worker serves the store on loopback.
+    proc, _ = _metadist("run", "--nproc", "2", LISTENERS)
+    assert proc.returncode == 0, proc.stderr
+    rows = re.findall(r"rank=(\d) who=(\w+) (\w+)", proc.stdout)
+    assert ("0", "worker") in {(r, w) for r, w, _ in rows}, proc.stdout  # the store, gloo
+    for rank, who, address in rows:
+        assert address in _LOOPBACK, f"rank {rank}'s {who} listens on {address}"

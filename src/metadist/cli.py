@@ -8,10 +8,63 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from metadist.runtime import env as launch_env
+
+
+def _node_range(nnodes: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` as (min, max), validated."""
+    try:
+        low, _, high = nnodes.partition(":")
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--nnodes {nnodes!r} is not a number of nodes or a range MIN:MAX with "
+                         "1 <= MIN <= MAX, e.g. --nnodes 2 or --nnodes 1:4")
+    return lo, hi
+
+
+def _rendezvous_args(ns: argparse.Namespace, lo: int, hi: int, scratch: str) -> list[str]:
+    """torchrun's rendezvous options: a file on one node, static for N nodes, c10d's dynamic
+    rendezvous for MIN:MAX (which ranks the nodes itself: --node-rank does not apply)."""
+    from metadist.runtime.rendezvous import is_loopback
+
+    addr = ns.master_addr or launch_env.LOOPBACK
+    port = ns.master_port or launch_env.DEFAULT_PORT
+    if lo != hi:
+        script = Path(ns.script).stem
+        conf = [f"last_call_timeout={ns.last_call}"]
+        if ns.rdzv_timeout is not None:
+            conf.append(f"join_timeout={ns.rdzv_timeout}")
+        host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address
+        argv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}",
+                "--rdzv-id", ns.rdzv_id or f"metadist-{script}", "--rdzv-conf", ",".join(conf)]
+        if is_loopback(addr):
+            # Every node is on this machine: the workers' MASTER_ADDR (where node 0 serves their
+            # store) is then loopback too, so metadist keeps gloo on loopback.
+            argv += ["--local-addr", launch_env.LOOPBACK]
+        return argv
+    if hi == 1 and ns.master_addr is None and ns.master_port is None:
+        # One node: the agents meet through a file, not a TCP store (torch's listens on every
+        # interface), and rank 0's worker serves the workers' store on loopback.
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", os.path.join(scratch, "rdzv"),
+                "--rdzv-conf", "store_type=file", "--rdzv-id", "metadist",
+                "--local-addr", launch_env.LOOPBACK]
+    argv = ["--node-rank", str(ns.node_rank), "--master-addr", addr, "--master-port", str(port)]
+    if ns.rdzv_timeout is not None:
+        argv += ["--rdzv-conf", f"timeout={ns.rdzv_timeout}"]
+    return argv
+
+
+# A fresh workers' store per rendezvous round, served by rank 0's worker (metadist's, on
+# loopback on one machine) rather than by torch's agent on every interface. It also fixes
+# elastic growth: with the agent's shared store, a node joining a running job waits for a key
+# the old node 0 never writes (torch 2.13).
+_PER_ROUND_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def _run(ns: argparse.Namespace) -> int:
@@ -24,34 +77,37 @@ def _run(ns: argparse.Namespace) -> int:
     if ns.nproc < 1:
         print(f"metadist run: --nproc must be at least 1, got {ns.nproc}", file=sys.stderr)
         return 2
+    try:
+        lo, hi = _node_range(ns.nnodes)
+    except ValueError as err:
+        print(f"metadist run: {err}", file=sys.stderr)
+        return 2
+    if ns.last_call <= 0:
+        print(f"metadist run: --last-call must be at least 1 (whole seconds), got "
+              f"{ns.last_call}", file=sys.stderr)
+        return 2
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # One intra-op thread pool per worker sized to its share of the cores (torchrun would
     # otherwise force 1 thread and warn).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ns.nproc)))
-    argv = ["--nproc-per-node", str(ns.nproc), "--nnodes", ns.nnodes,
-            "--max-restarts", str(ns.max_restarts)]
-    single_node = ns.nnodes in ("1", "1:1")
-    if single_node and ns.master_addr is None and ns.master_port is None:
-        argv.append("--standalone")  # private rendezvous on a free local port
-    else:
-        argv += ["--node-rank", str(ns.node_rank),
-                 "--master-addr", ns.master_addr or launch_env.LOOPBACK,
-                 "--master-port", str(ns.master_port or launch_env.DEFAULT_PORT)]
-    if ns.rdzv_timeout is not None:
-        argv += ["--rdzv-conf", f"timeout={ns.rdzv_timeout}"]
-    # Run the user's script through our entry so a failing worker records its traceback and
-    # the launcher can show it.
-    argv += ["-m", "metadist.runtime.entry", ns.script, *ns.script_args]
-    try:
-        torchrun.run(torchrun.parse_args(argv))
-    except ChildFailedError as err:
-        from metadist.runtime.failures import summarize_run_failure
+    os.environ.setdefault(_PER_ROUND_STORE, "1")
+    with tempfile.TemporaryDirectory(prefix="metadist-run-") as scratch:
+        argv = ["--nproc-per-node", str(ns.nproc),
+                "--nnodes", f"{lo}:{hi}" if lo != hi else str(hi),
+                "--max-restarts", str(ns.max_restarts), *_rendezvous_args(ns, lo, hi, scratch)]
+        # Run the user's script through our entry so a failing worker records its traceback
+        # and the launcher can show it.
+        argv += ["-m", "metadist.runtime.entry", ns.script, *ns.script_args]
+        try:
+            torchrun.run(torchrun.parse_args(argv))
+        except ChildFailedError as err:
+            from metadist.runtime.failures import summarize_run_failure
 
-        # The origin rank once, the ranks that failed as a consequence in one line each.
-        print(summarize_run_failure(err, ns.script), file=sys.stderr)
-        return 1
+            # The origin rank once, the ranks that failed as a consequence in one line each.
+            print(summarize_run_failure(err, ns.script), file=sys.stderr)
+            return 1
     return 0
 
 
@@ -135,12 +191,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="launch a script on N processes (torch elastic underneath)")
     run.add_argument("--nproc", type=int, default=1, help="processes on this node (default 1)")
-    run.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for elastic jobs")
-    run.add_argument("--node-rank", type=int, default=0, help="this node's rank (static jobs)")
-    run.add_argument("--master-addr", default=None, help="address of node 0 (default loopback)")
-    run.add_argument("--master-port", type=int, default=None, help="port on node 0")
+    run.add_argument("--nnodes", default="1",
+                     help="nodes (default 1), or MIN:MAX for an elastic job: it starts with "
+                          "the nodes that met, MIN to MAX (start them within --last-call of "
+                          "one another)")
+    run.add_argument("--node-rank", type=int, default=0,
+                     help="this node's rank (static jobs; elastic jobs rank their nodes)")
+    run.add_argument("--master-addr", default=None,
+                     help="address of node 0, or of the elastic rendezvous (default loopback)")
+    run.add_argument("--master-port", type=int, default=None,
+                     help="port of the rendezvous on that node (default 29500; with "
+                          "--nnodes 1 and no --master-addr, a free port)")
     run.add_argument("--max-restarts", type=int, default=0, help="restart failed workers K times")
-    run.add_argument("--rdzv-timeout", type=int, default=None, help="rendezvous timeout, seconds")
+    run.add_argument("--rdzv-timeout", type=int, default=None,
+                     help="seconds the nodes may take to meet (default torch's)")
+    run.add_argument("--rdzv-id", default=None,
+                     help="elastic jobs: a job id shared by all its nodes (default "
+                          "metadist-<script name>)")
+    run.add_argument("--last-call", type=int, default=10,
+                     help="elastic jobs: seconds to wait for more nodes once MIN have joined "
+                          "(default 10)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_run)

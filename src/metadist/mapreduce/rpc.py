@@ -1,22 +1,33 @@
 """The rpc engine: torch.distributed.rpc plus distributed autograd, behind metadist's API.
 
-TensorPipe RPC is in maintenance mode upstream, so nothing outside this file touches it: the
-rendezvous comes from metadist's runtime (rank 0 picks a free port, distinct from the process
-group's, and broadcasts it), and modules are sent with their parameters as differentiable
-clones: a plain ``nn.Parameter`` pickled over RPC arrives detached and its gradient is
-silently lost (pytorch#86525). Without ``rpc_backend_options`` RPC runs over TCP only
-(TensorPipe's shared-memory transport answers faster but busy-polls a core per process).
+TensorPipe RPC is in maintenance mode upstream, so nothing outside this file touches it. Modules
+are sent with their parameters as differentiable clones: a plain ``nn.Parameter`` pickled over
+RPC arrives detached and its gradient is silently lost (pytorch#86525). Without
+``rpc_backend_options`` RPC runs over TCP only (TensorPipe's shared-memory transport answers
+faster but busy-polls a core per process).
+
+RPC's rendezvous goes through the store metadist's process group already uses (a rendezvous
+handler hands torch a prefix of it), so starting RPC opens no new store port: torch's
+``tcp://`` rendezvous would create a store listening on every interface. When the job's master
+address is loopback, TensorPipe's listeners (``TP_SOCKET_IFNAME``) and the gloo group RPC
+creates for itself (``GLOO_SOCKET_IFNAME``) are pinned to the loopback interface too, unless
+those variables are set; on several nodes both keep their defaults (set them to the private
+interface).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-import socket
-from collections.abc import Callable
+import urllib.parse
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from metadist.comm import ops
@@ -28,6 +39,7 @@ from metadist.mapreduce.partitioners import Part
 from metadist.mapreduce.world import worker_name
 from metadist.runtime import env as launch_env
 from metadist.runtime import world as _world
+from metadist.runtime.rendezvous import is_loopback, loopback_interface
 
 try:
     from torch.distributed import rpc as _rpc
@@ -39,13 +51,56 @@ except ImportError:  # builds without distributed support
 # For scripts that pass remote references explicitly (TorchOpt's examples do).
 RRef: Any = _rpc.RRef if AVAILABLE else None
 
-_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+_SCHEME = "metadist-rpc"  # init_method metadist-rpc://<session token>
+_IFNAME_VARS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")  # TensorPipe's, RPC's gloo group's
+# torch's RPC passes its private gloo backend to all_gather_object, which then warns about
+# "using a Backend as a ProcessGroup": torch's own usage, nothing the user can change.
+_SPURIOUS = r"You are using a Backend .*ProcessGroupGloo.* as a ProcessGroup"
 
-def _free_port(addr: str) -> int:
-    host = addr if addr == launch_env.LOOPBACK else ""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+
+def _default_store() -> Any:
+    """The store of the default process group (metadist's, or the one the user created)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _rendezvous(url: str, **_: Any) -> Iterator[tuple[Any, int, int]]:
+    """torch rendezvous handler: a prefix of the store this process already joined."""
+    parsed = urllib.parse.urlparse(url)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    rank, size = int(query["rank"]), int(query["world_size"])
+    # A world of one has no process group (metadist opens no socket for it): a local store.
+    base = dist.HashStore() if size == 1 else _default_store()  # type: ignore[attr-defined]
+    prefixed = dist.PrefixStore(f"metadist/rpc/{parsed.netloc}", base)  # type: ignore[attr-defined]
+    yield prefixed, rank, size
+
+
+def _register() -> None:
+    try:
+        dist.register_rendezvous_handler(_SCHEME, _rendezvous)  # type: ignore[attr-defined]
+    except RuntimeError as exc:  # registered by an earlier session of this process
+        if "already registered" not in str(exc):
+            raise
+
+
+def loopback_pins(master_addr: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The interface variables to set while RPC starts: loopback for a job whose master
+    address is loopback (one machine), nothing on several nodes or where the user chose."""
+    environ = os.environ if environ is None else environ
+    lo = loopback_interface()
+    if lo is None or not is_loopback(master_addr):
+        return {}
+    return {name: lo for name in _IFNAME_VARS if not environ.get(name)}
+
+
+@contextlib.contextmanager
+def _scoped_env(values: dict[str, str]) -> Iterator[None]:
+    for name, value in values.items():
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name in values:
+            os.environ.pop(name, None)
 
 
 def start(config: Any) -> None:
@@ -54,24 +109,26 @@ def start(config: Any) -> None:
         raise MetadistError("this torch build has no torch.distributed.rpc; use the spmd engine "
                             "(engine='spmd')")
     w = _world.world()
-    addr = launch_env.detect().master_addr or launch_env.LOOPBACK
-    port = ops.broadcast_object(_free_port(addr) if w.rank == 0 else None)
+    _register()
+    # A fresh prefix per session: RPC started again must not read the last session's keys.
+    token = ops.broadcast_object(uuid.uuid4().hex if w.rank == 0 else None)
     # By default TCP only: TensorPipe's shared-memory transport busy-polls, costing every
     # process a core even while idle (measured here: ~1 CPU-second per second), which on small
     # machines is the core the computation needs. Pass rpc_backend_options to choose.
     options = config.rpc_backend_options or _rpc.TensorPipeRpcBackendOptions(
         _transports=["uv"])
-    options.init_method = f"tcp://{addr}:{port}"
-    # Under torchrun this variable makes every rank a client of the agent's store, but the
-    # store for this fresh port is ours to serve from rank 0 (which also keeps a restarted
-    # attempt from reading the previous attempt's keys).
-    agent_store = os.environ.pop(_AGENT_STORE, None)
+    options.init_method = f"{_SCHEME}://{token}"
+    store = None if w.world_size == 1 else _default_store()
+    pins = loopback_pins(launch_env.detect().master_addr or launch_env.LOOPBACK)
+    timeout = store.timeout if store is not None else None
     try:
-        _rpc.init_rpc(worker_name(w.rank), backend=config.rpc_backend, rank=w.rank,
-                      world_size=w.world_size, rpc_backend_options=options)
+        with _scoped_env(pins), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SPURIOUS, category=UserWarning)
+            _rpc.init_rpc(worker_name(w.rank), backend=config.rpc_backend, rank=w.rank,
+                          world_size=w.world_size, rpc_backend_options=options)
     finally:
-        if agent_store is not None:
-            os.environ[_AGENT_STORE] = agent_store
+        if store is not None:
+            store.set_timeout(timeout)  # init_rpc set RPC's timeout on the shared store
 
 
 def stop() -> None:
@@ -128,4 +185,4 @@ def execute(func: Callable[..., Any], parts: list[Part],
     return gathered.then(lambda done: reducer(done.value()))
 
 
-__all__ = ["AVAILABLE", "execute", "prepare", "start", "stop"]
+__all__ = ["AVAILABLE", "execute", "loopback_pins", "prepare", "start", "stop"]

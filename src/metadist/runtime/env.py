@@ -123,12 +123,14 @@ def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
     node = _int(env, "GROUP_RANK", default=rank // max(local_world, 1))
     base = _from_counts(env, launcher, rank, world, _int(env, "LOCAL_RANK", default=0),
                         local_world, node, None)
-    # Under torchrun the agent owns the store at MASTER_ADDR:MASTER_PORT; joining through
-    # env:// lets torch connect as a client instead of trying to bind the same port.
+    # Under torchrun the agent usually serves the store at MASTER_ADDR:MASTER_PORT and the
+    # workers join it as clients; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store
+    # per rendezvous round, which `metadist run` uses) it says so and rank 0 serves it.
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "True") != "False"
     num_nodes = _int(env, "GROUP_WORLD_SIZE", default=base.num_nodes)
     return LaunchEnv(base.launcher, rank, world, base.local_rank, base.local_world_size, node,
                      num_nodes, base.master_addr, base.master_port,
-                     use_env_init=launcher == "torchrun",
+                     use_env_init=launcher == "torchrun" and agent_store,
                      attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0))
 
 

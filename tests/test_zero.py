@@ -3,6 +3,7 @@ memory at the ZeRO formulas, and the zero3 machinery (units, prefetch, dtypes)."
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -195,6 +196,9 @@ def test_wrap_policy_by_size_classes_and_fusion() -> None:
     small = nn.Sequential(*[nn.Linear(10, 10) for _ in range(6)])  # 110 params each
     fused = plan_units(small, min_params=300)
     assert [len(u.modules) for u in fused[:-1]] == [3, 3]  # adjacent small layers fused
+    around = nn.Sequential(nn.Linear(1, 40), nn.Tanh(), nn.Linear(40, 40), nn.Linear(40, 1))
+    # a unit in between ends a run: the small ends are not fused across it (root keeps them)
+    assert [len(u.params) for u in plan_units(around, min_params=100)] == [2, 4]
     block = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4))
     by_class = plan_units(block, min_params=1, classes=(nn.Sequential,))
     assert [u.modules[0] for u in by_class[:-1]] == [block[0]]
@@ -206,8 +210,61 @@ def test_wrap_policy_by_size_classes_and_fusion() -> None:
 
 def test_balanced_partition_is_contiguous_and_balanced() -> None:
     assert balanced_partition([4, 4, 4, 4, 1], 2) == [0, 0, 1, 1, 1]
-    assert balanced_partition([1, 1], 4) == [0, 1]
+    # the largest share (5) is the least possible; the rest is split evenly, not 5 + 0
+    assert balanced_partition([5, 1, 1, 1, 1, 1], 3) == [0, 1, 1, 1, 2, 2]
+    assert balanced_partition([1] * 10, 3) == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2]
+    assert len(set(balanced_partition([1, 1], 4))) == 2  # fewer items than ranks
     assert balanced_partition([], 3) == []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):  # the largest share is the least any contiguous split achieves
+        sizes = torch.randint(0, 9, (int(torch.randint(1, 7, (), generator=g)),),
+                              generator=g).tolist()
+        parts = int(torch.randint(1, 4, (), generator=g))
+        owners = balanced_partition(sizes, parts)
+        assert owners == sorted(owners) and all(0 <= o < parts for o in owners)
+        loads = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r)
+                 for r in range(parts)]
+        cuts = itertools.combinations_with_replacement(range(len(sizes) + 1), parts - 1)
+        best = min(max(sum(sizes[a:b]) for a, b in itertools.pairwise([0, *c, len(sizes)]))
+                   for c in cuts)
+        assert max(loads) == best, (sizes, parts, owners)
+
+
+def _uneven(strategy: str, overlap: bool) -> tuple[int, int, list[float]]:
+    """A 3-layer MLP whose middle weight (1 MiB of 1.52) is the whole share of one of three
+    owners: per-rank parameter bytes, P, and parameters after two steps."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                        nn.Linear(512, 10))
+    psize = sum(p.numel() * p.element_size() for p in net.parameters())
+    s = metadist.strategy(strategy, overlap_param_gather=overlap)
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(s.world.rank))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    model.wait_params()
+    return (unique_storage_bytes(model.parameters()), psize,
+            [p.sum().item() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_an_uneven_partition_still_holds_parameters_once(strategy: str, overlap: bool) -> None:
+    out = run_on_ranks(_uneven, 3, args=(strategy, overlap))
+    for held, psize, params in out:
+        assert held == psize, f"{held / 2**20:.3f} MiB of parameters, P = {psize / 2**20:.3f}"
+        assert params == out[0][2]  # every rank refreshed from the owners
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_blocking_refresh_matches_single_process(strategy: str) -> None:
+    # 531 parameters at world size 3: owners' regions of different sizes
+    want = reference("adam", world=3)
+    options = {**SHARDED[strategy], "overlap_param_gather": False}
+    for got in run_on_ranks(train_on_rank, 3, args=(strategy, "adam", 1, True, options)):
+        assert_parity(got, want, f"{strategy} overlap_param_gather=False")
 
 
 def _bf16_training() -> tuple[str, float]:

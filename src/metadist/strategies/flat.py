@@ -93,10 +93,11 @@ class FlatParam:
     def _free(self) -> None:
         self.full.untyped_storage().resize_(0)
 
-    def start_gather(self) -> None:
-        """Launch the all-gather of the full buffer (no-op if present or in flight)."""
+    def start_gather(self) -> bool:
+        """Launch the all-gather of the full buffer; False (nothing to do) if it is present
+        or in flight."""
         if self.gathered or self._handle is not None:
-            return
+            return False
         storage = self.full.untyped_storage()
         storage.resize_(self.padded * self.full.element_size())
         with torch.no_grad():
@@ -105,6 +106,7 @@ class FlatParam:
                 src = src.to(self.device, self.compute_dtype, non_blocking=True)
             self._staged = src  # keep alive until the gather finishes
             self._handle = ops.all_gather(self._write, src, group=self.group, async_op=True)
+        return True
 
     def wait(self) -> None:
         """Finish a gather in flight, if any."""

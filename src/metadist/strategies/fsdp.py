@@ -1,11 +1,18 @@
 """``"zero3"`` / ``"fsdp"``: parameters, gradients and optimizer state sharded.
 
 Units from the wrap policy (strategies/wrap.py) each own flat shards (strategies/flat.py).
-Just before a unit's forward its shards are all-gathered (the next unit in the recorded
-forward order is prefetched) and its modules' parameters become views of the full buffer;
+Just before a unit's forward its shards are all-gathered (the next unit in the previous
+forward's order is prefetched) and its modules' parameters become views of the full buffer;
 after the forward the buffer is freed (``reshard_after_forward``). In backward a hook on the
 unit's outputs gathers it again (prefetching the unit backward reaches next), and the
 unshard's backward reduce-scatters the gradient into the shard, asynchronously.
+
+A unit fused from several modules is gathered and bound once per forward, by the first of its
+members to run, and freed when the members the previous forward ran have all run, in any
+order (FSDP2's group hooks). A member skipped this time cannot keep it gathered: the unit is
+also closed when another unit starts while none of its members runs, or when the forward
+ends. Activation checkpointing recomputes inside backward: there a member's forward only
+makes sure its unit is gathered.
 
 Meta-learning: ``full_parameters()`` returns the full parameters through the differentiable
 all-gather, so inner loops adapt full, local fast weights with ``create_graph=True`` and the
@@ -66,22 +73,45 @@ class FSDPConfig(StrategyConfig):
             raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params}")
 
 
+def in_backward() -> bool:
+    """True inside an autograd backward, where a forward is activation checkpointing's
+    recomputation (non-reentrant: it refills saved tensors of the original graph)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 class Unit:
-    """A set of modules gathered and freed together; owns one or more flat shards."""
+    """A set of modules gathered and freed together; owns one or more flat shards.
+
+    Per forward a unit is *open* from the first of its members to run until it is closed:
+    when the members expected to run have run and none is running, when another unit opens
+    while none of its members runs, or when the model's forward ends.
+    """
 
     def __init__(self, plan: UnitPlan, flats: list[FlatParam]) -> None:
         self.modules, self.flats, self.is_root = plan.modules, flats, plan.is_root
+        self.expected: set[nn.Module] = set(plan.modules)  # what the last forward ran
+        self.ran: set[nn.Module] = set()  # members run in this forward
+        self.waiting: set[nn.Module] = set()  # expected members still to run while open
+        self.running = 0  # member forwards on the stack
+        self.open = False
+        self.grad = False  # the bound views are differentiable (a graph may need them)
 
-    def start_gather(self) -> None:
+    def start_gather(self) -> bool:
+        """Launch the all-gathers; True if one started (nothing was present or in flight)."""
+        return any([flat.start_gather() for flat in self.flats])
+
+    def wait_gather(self) -> None:
         for flat in self.flats:
-            flat.start_gather()
+            flat.wait_gather()
 
     def bind(self) -> None:
-        """Point the modules' parameter attributes at fresh views of the gathered buffers."""
+        """Point the modules' parameter attributes at fresh views of the gathered buffers:
+        one differentiable unshard per buffer, shared by every member that reads it."""
         for flat in self.flats:
             for slot, view in zip(flat.slots, flat.views(flat.unsharded(True)), strict=True):
                 for module, attr in slot.uses:
                     module.__dict__[attr] = view
+        self.grad = torch.is_grad_enabled()
 
     def free(self) -> None:
         for flat in self.flats:
@@ -101,8 +131,10 @@ class ShardedModule(DistributedModule):
         self.flats = [flat for unit in units for flat in unit.flats]
         self.shards = nn.ParameterList([flat.shard for flat in self.flats])
         self._config = config
-        self._order: list[Unit] = []  # forward order, recorded on the first forward
-        self._recording = True
+        self._order: list[Unit] = []  # the last forward's unit order: predicts the next one
+        self._seen: list[Unit] = []  # this forward's order so far
+        self._open: list[Unit] = []
+        self._prefetched: list[Unit] = []  # gathered ahead of a forward that has not come yet
         self._handles: list[Any] = []
         for unit in units:
             if unit.is_root:
@@ -111,7 +143,8 @@ class ShardedModule(DistributedModule):
                 self._handles.append(member.register_forward_pre_hook(
                     lambda m, args, unit=unit: self._before(unit)))
                 self._handles.append(member.register_forward_hook(
-                    lambda m, args, out, unit=unit: self._after(unit, out)))
+                    lambda m, args, out, unit=unit: self._after(unit, m, out),
+                    always_call=True))  # an exception must not leave the unit running
 
     # ----- forward and backward hooks -------------------------------------------------
     def _next(self, unit: Unit, step: int) -> Unit | None:
@@ -123,26 +156,56 @@ class ShardedModule(DistributedModule):
     def _before(self, unit: Unit) -> None:
         if explicit_parameters_active():  # functional_forward bound the parameters itself
             return
-        if self._recording and unit not in self._order:
-            self._order.append(unit)
+        if in_backward():  # recomputation: the original graph's views need the buffer
+            unit.wait_gather()
+            if torch.is_grad_enabled() and not unit.grad:
+                unit.bind()  # reentrant checkpointing backpropagates through the recomputation
+            return
+        if not unit.open:
+            self._start(unit)
+        elif torch.is_grad_enabled() and not unit.grad:
+            unit.bind()  # opened under no_grad: this member's graph needs its own unshard
+        unit.running += 1
+
+    def _start(self, unit: Unit) -> None:
+        # Units that are not running are done with, as are gathers made for a unit that did
+        # not come: at most this unit and the one prefetched next stay gathered.
+        for other in [u for u in self._open if u.running == 0]:
+            self._close(other)
+        for other in self._prefetched:
+            if other is not unit:
+                other.free()
+        self._prefetched.clear()
+        if unit not in self._seen:
+            self._seen.append(unit)
+        unit.open, unit.waiting = True, set(unit.expected)
+        self._open.append(unit)
         unit.bind()
         nxt = self._next(unit, +1)
-        if self._config.prefetch and nxt is not None:
-            nxt.start_gather()
+        if self._config.prefetch and nxt is not None and nxt.start_gather():
+            self._prefetched.append(nxt)
 
-    def _after(self, unit: Unit, output: Any) -> Any:
-        if explicit_parameters_active():
+    def _after(self, unit: Unit, member: nn.Module, output: Any) -> Any:
+        if explicit_parameters_active() or in_backward() or not unit.open:
             return output
         if torch.is_grad_enabled():
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(lambda g, unit=unit: self._before_backward(unit))
-        # The last unit of the forward is the first of backward: keep it gathered.
-        last = not self._recording and self._order and unit is self._order[-1]
-        if len(unit.modules) == 1 and (not torch.is_grad_enabled() or (
-                self._config.reshard_after_forward and not last)):
-            unit.free()
+        unit.running = max(unit.running - 1, 0)  # 0 if its pre-hook raised before counting
+        unit.ran.add(member)
+        unit.waiting.discard(member)
+        if unit.running == 0 and not unit.waiting:
+            self._close(unit)
         return output
+
+    def _close(self, unit: Unit) -> None:
+        self._open.remove(unit)
+        unit.open, unit.running = False, 0
+        # The last unit of the forward is the first of backward: keep it gathered.
+        last = bool(self._order) and unit is self._order[-1]
+        if not unit.grad or (self._config.reshard_after_forward and not last):
+            unit.free()
 
     def _before_backward(self, unit: Unit) -> None:
         for flat in unit.flats:
@@ -152,13 +215,27 @@ class ShardedModule(DistributedModule):
         if self._config.prefetch and prev is not None and prev.live:
             prev.start_gather()
 
+    def _end_forward(self) -> None:
+        """Close what is still open (members skipped, or an earlier forward that raised)."""
+        for unit in list(self._open):
+            self._close(unit)
+        for unit in self._prefetched:
+            unit.free()
+        self._prefetched.clear()
+        for unit in self.units:
+            if unit.ran:  # a forward that ran none of a unit's members teaches nothing
+                unit.expected, unit.ran = unit.ran, set()
+        if self._seen:  # backward runs this order in reverse; the next forward likely repeats it
+            self._order, self._seen = self._seen, []
+
     def pre_forward(self) -> None:
         if not explicit_parameters_active():
+            self._end_forward()
             self.units[-1].bind()  # the root unit stays gathered through the step
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = super().forward(*args, **kwargs)
-        self._recording = False
+        self._end_forward()
         if torch.is_grad_enabled():
             root = self.units[-1]
             for t in tree_leaves(out):

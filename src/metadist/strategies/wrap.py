@@ -3,7 +3,8 @@
 Post-order over the module tree: a module becomes a unit when it is an instance of one of
 ``classes`` or, without classes, when the parameters in its subtree that no unit claimed yet
 reach ``min_params``. Adjacent small siblings are fused into one unit once together they
-reach the threshold, so a run of small layers costs one gather instead of many. Whatever is
+reach the threshold, so a run of small layers costs one gather instead of many; a sibling
+that is a unit of its own ends a run (parameter-free ones, such as activations, do not). Whatever is
 left, and every parameter shared by several modules (tied weights), belongs to the root unit,
 which stays gathered for the whole step.
 """
@@ -93,6 +94,10 @@ def plan_units(root: nn.Module, min_params: int,
         for child in m.children():
             size = free(child)
             if size == 0:
+                if next(child.parameters(), None) is not None:
+                    # a unit of its own runs in between: fusing across it would gather the
+                    # run twice per forward; what is short of the threshold stays with m
+                    group, total = [], 0
                 continue  # parameter-free layers (activations) do not break a run
             group.append(child)
             total += size

@@ -2,8 +2,8 @@
 
 Parameters are replicated; each one has an owner rank from a size-balanced partition that is
 contiguous in backward order (so zero2's buckets rarely straddle owners). The optimizer steps
-only owned parameters; afterwards each owner's updated parameters reach everyone in one
-gather over flat per-owner buffers the parameters are views into (no copies).
+only owned parameters; afterwards each owner broadcasts its updated parameters from a flat
+region of exactly their size, which the parameters are views into (no copies, no padding).
 
 * zero1: gradients are all-reduced in buckets exactly as in ddp; optimizer state is O/N.
 * zero2: each bucket is reduced to its owner as it fills (overlapping backward) and the other
@@ -13,8 +13,10 @@ gather over flat per-owner buffers the parameters are views into (no copies).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, ClassVar
 
 import torch
@@ -37,27 +39,49 @@ from metadist.strategies.sharded_optim import (
 
 
 def balanced_partition(sizes: list[int], parts: int) -> list[int]:
-    """Owner of each item: ``parts`` contiguous runs minimising the largest run's total."""
+    """Owner of each item: ``parts`` contiguous runs. The largest run's total is the smallest
+    possible; within that bound each run ends where the rest splits most evenly over the
+    remaining parts (greedy filling up to the bound would leave the last runs light or empty).
+    """
     if not sizes:
         return []
+    n, prefix = len(sizes), list(accumulate(sizes, initial=0))
 
-    def runs(cap: int) -> list[int]:
-        owner, load, out = 0, 0, []
-        for s in sizes:
-            if load and load + s > cap:
-                owner, load = owner + 1, 0
-            out.append(owner)
-            load += s
-        return out
+    def end(start: int, cap: int) -> int:  # the furthest end of a run from start within cap
+        return bisect_right(prefix, prefix[start] + cap) - 1
 
-    lo, hi = max(sizes), sum(sizes)
+    def runs(cap: int) -> int:
+        count, start = 0, 0
+        while start < n:
+            start, count = end(start, cap), count + 1
+        return count
+
+    lo, hi = max(sizes), prefix[-1]
     while lo < hi:  # smallest cap that fits in `parts` runs
         mid = (lo + hi) // 2
-        if runs(mid)[-1] < parts:
+        if runs(mid) <= parts:
             hi = mid
         else:
             lo = mid + 1
-    return runs(lo)
+    need = [0] * (n + 1)  # fewest runs within the cap that cover items i.. (greedy is optimal)
+    for i in range(n - 1, -1, -1):
+        need[i] = 1 + need[end(i, lo)]
+    rising = [-k for k in need]  # need falls towards the end: negated, it can be bisected
+    owners: list[int] = []
+    start = 0
+    for part in range(parts):
+        if start == n:
+            break
+        left = parts - part
+        first = bisect_left(rising, 1 - left, start)  # the rest fits in the other parts
+        last = end(start, lo)  # candidate ends first..last keep the rest feasible
+        target = prefix[start] + (prefix[n] - prefix[start]) / left
+        stop = min(max(bisect_left(prefix, target, first, last + 1), first), last)
+        if stop > first and target - prefix[stop - 1] < prefix[stop] - target:
+            stop -= 1
+        owners += [part] * (stop - start)
+        start = stop
+    return owners
 
 
 class OwnerLayout(OptimizerLayout):
@@ -85,7 +109,7 @@ class OwnerLayout(OptimizerLayout):
 
 @dataclass(frozen=True)
 class _Piece:
-    """A contiguous run of one owner's parameters, refreshed by one broadcast."""
+    """A contiguous run of one owner's parameters in a flat buffer, sent by one broadcast."""
 
     flat: int
     owner: int
@@ -95,28 +119,31 @@ class _Piece:
 
 class ParamGather:
     """Replicated parameters laid out in flat per-owner regions, so that after the owners
-    step every rank's copy is refreshed in place with no copies.
+    step every rank's copy is refreshed in place with no copies. Each owner's region is
+    exactly its parameters (per dtype and device): a rank holds P, whatever the partition.
 
-    Synchronous: one all-gather per dtype right after ``step()``. Overlapped: one broadcast
-    per piece (a few MiB of one owner's parameters, in forward order) launched after
-    ``step()``; each module waits for its own pieces just before its forward, so the
+    Synchronous: one broadcast per owner region, finished inside ``step()``. Overlapped: one
+    broadcast per piece (a few MiB of one owner's parameters, in forward order) launched
+    after ``step()``; each module waits for its own pieces just before its forward, so the
     transfer of later layers overlaps the computation of earlier ones.
     """
 
     def __init__(self, params: list[nn.Parameter], owners: list[int], world_size: int,
                  rank: int, piece_bytes: int = 4 << 20) -> None:
         self.rank = rank
-        self.flats: list[tuple[torch.Tensor, int]] = []  # (flat buffer, region size)
-        self._pending: Handle | None = None
+        self.flats: list[torch.Tensor] = []
+        self.regions: list[_Piece] = []  # each owner's whole region, per flat
         where: dict[nn.Parameter, tuple[int, int, int]] = {}  # flat, owner, offset
         by_kind: dict[tuple[torch.dtype, torch.device], list[tuple[nn.Parameter, int]]] = {}
         for p, o in zip(params, owners, strict=True):
             by_kind.setdefault((p.dtype, p.device), []).append((p, o))
         for index, ((dtype, device), members) in enumerate(by_kind.items()):
             totals = [sum(p.numel() for p, o in members if o == r) for r in range(world_size)]
-            region = max(totals)
-            flat = torch.zeros(region * world_size, dtype=dtype, device=device)
-            offsets = [r * region for r in range(world_size)]
+            starts = [0, *accumulate(totals)]
+            flat = torch.zeros(starts[-1], dtype=dtype, device=device)
+            offsets = starts[:-1]
+            self.regions += [_Piece(index, r, starts[r], totals[r])
+                             for r in range(world_size) if totals[r]]
             with torch.no_grad():
                 for p, o in members:  # registration order within each owner's region
                     view = flat[offsets[o]:offsets[o] + p.numel()].view_as(p)
@@ -124,7 +151,7 @@ class ParamGather:
                     p.data = view  # same Parameter object: optimizers keep their references
                     where[p] = (index, o, offsets[o])
                     offsets[o] += p.numel()
-            self.flats.append((flat, region))
+            self.flats.append(flat)
         self.pieces: list[_Piece] = []
         self.pieces_of: dict[nn.Parameter, list[int]] = {}
         for p in params:  # forward (registration) order
@@ -143,12 +170,14 @@ class ParamGather:
     def gather(self, overlap: bool) -> None:
         """Refresh everyone's parameters from their owners."""
         self.wait()
-        if not overlap:
-            for flat, region in self.flats:
-                ops.all_gather(flat, flat.narrow(0, self.rank * region, region))
+        if not overlap:  # regions differ in size: one broadcast each, not an all-gather
+            handles = [ops.broadcast(self.flats[r.flat].narrow(0, r.start, r.length), r.owner,
+                                     async_op=True) for r in self.regions]
+            for handle in handles:
+                handle.wait()
             return
         for i, piece in enumerate(self.pieces):
-            flat = self.flats[piece.flat][0]
+            flat = self.flats[piece.flat]
             self._piece_handles[i] = ops.broadcast(
                 flat.narrow(0, piece.start, piece.length), piece.owner, async_op=True)
 
@@ -225,7 +254,8 @@ class _ZeroStrategy(DDPStrategy):
             return ZeroModule(model, None, None, False)
         # Contiguous in backward order (reverse registration), as the reducer's buckets are.
         order = list(reversed(range(len(trainable))))
-        owner_in_order = balanced_partition([trainable[i].numel() for i in order], w.world_size)
+        owner_in_order = balanced_partition(
+            [trainable[i].numel() * trainable[i].element_size() for i in order], w.world_size)
         owners = [0] * len(trainable)
         for i, o in zip(order, owner_in_order, strict=True):
             owners[i] = o

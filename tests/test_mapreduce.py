@@ -13,7 +13,7 @@ from torch import nn
 import metadist
 import metadist.mapreduce as todist
 from metadist.meta import MetaSGD, module_clone
-from metadist.testing import run_on_ranks
+from metadist.testing import is_loopback_address, listening_addresses, run_on_ranks
 
 TASKS, K, INNER_STEPS, INNER_LR, META_STEPS = 5, 5, 2, 0.05, 3
 TOL: dict[str, Any] = {"rtol": 1.3e-6, "atol": 1e-5}
@@ -242,12 +242,10 @@ def test_rpc_engine_equals_single_process() -> None:
 
 
 def _rpc_listeners() -> list[str]:
-    from test_operability import _listening_addresses
-
     todist.init("rpc")
     try:
         todist.barrier()  # every rank's RPC agent is up
-        return _listening_addresses()
+        return listening_addresses()
     finally:
         todist.shutdown()
 
@@ -256,12 +254,10 @@ def _rpc_listeners() -> list[str]:
 def test_rpc_engine_listens_on_loopback_only() -> None:
     # torch's tcp:// rendezvous would add a store on every interface of rank 0; fresh
     # processes, as pooled ones may hold other tests' listeners.
-    from test_operability import _LOOPBACK
-
     for rank, addresses in enumerate(metadist.launch(_rpc_listeners, 2, timeout=120,
                                                      threads=1)):
         assert addresses, f"rank {rank} should listen for RPC"
-        assert set(addresses) <= _LOOPBACK, f"rank {rank} listens on {addresses}"
+        assert all(map(is_loopback_address, addresses)), f"rank {rank} listens on {addresses}"
 
 
 def test_rpc_pins_its_interfaces_to_loopback_on_one_machine_only() -> None:

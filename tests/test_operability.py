@@ -23,7 +23,7 @@ from metadist.runtime.env import detect
 from metadist.runtime.progress import Progress, explain
 from metadist.runtime.spawn import free_port
 from metadist.runtime.tracker import Entry, GroupInfo, compact_ranks, configure_debug
-from metadist.testing import run_on_ranks
+from metadist.testing import is_loopback_address, listening_addresses, run_on_ranks
 
 TIMEOUT = 3.0  # the collective timeout of the hang tests
 STARTUP = 40.0  # generous: process start-up on a busy 2-core box
@@ -347,37 +347,13 @@ def test_secondary_errors_are_recognised() -> None:
 
 # ----- loopback ------------------------------------------------------------------------------
 
-def _listening_addresses() -> list[str]:
-    """Local addresses of this process's listening TCP sockets (Linux /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    addresses = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    addresses.append(fields[1].split(":")[0])
-    return addresses
-
-
-_LOOPBACK = {"0100007F", "00000000000000000000000001000000",  # 127.0.0.1, ::1
-             "0000000000000000FFFF00000100007F"}  # ::ffff:127.0.0.1
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_one_node_jobs_listen_on_loopback_only() -> None:
     # Fresh processes: pooled ones may carry listeners that other tests' code opened.
-    per_rank = metadist.launch(_listening_addresses, 2, timeout=120, threads=1)
+    per_rank = metadist.launch(listening_addresses, 2, timeout=120, threads=1)
     assert per_rank[0], "rank 0 should host the rendezvous store"
     for rank, addresses in enumerate(per_rank):
-        assert set(addresses) <= _LOOPBACK, f"rank {rank} listens on {addresses}"
+        assert all(map(is_loopback_address, addresses)), f"rank {rank} listens on {addresses}"
 
 
 @pytest.mark.parametrize(("addr", "loopback"), [

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import ipaddress
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -126,3 +128,39 @@ def assert_same_on_all_ranks(tensor: torch.Tensor, what: str = "tensor") -> None
             diff = (copy.float() - copies[0].float()).abs().max().item()
             raise AssertionError(f"{what} differs between rank 0 and rank {rank} "
                                  f"(max abs difference {diff:.3g})")
+
+
+def _decode(hexaddr: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it (32-bit words in host order) as text."""
+    raw = bytes.fromhex(hexaddr)
+    host = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(host))
+
+
+def listening_addresses(pid: int | None = None) -> list[str]:
+    """The local addresses (e.g. ``"127.0.0.1"``, ``"::"``) of the listening TCP sockets of
+    process ``pid`` (default: this one), from Linux's /proc: what a security test checks."""
+    where = f"/proc/{pid if pid is not None else 'self'}"
+    inodes = set()
+    for fd in os.listdir(f"{where}/fd"):
+        try:
+            target = os.readlink(f"{where}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"{where}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # state 0A: LISTEN
+                    found.append(_decode(cols[1].split(":")[0]))
+    return found
+
+
+def is_loopback_address(address: str) -> bool:
+    """``127.x``, ``::1`` and IPv4-mapped loopback (``::ffff:127.0.0.1``)."""
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)

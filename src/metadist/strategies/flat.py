@@ -84,6 +84,11 @@ class FlatParam:
         self.live = 0  # forward graphs (with grad) still to be backpropagated through this buffer
         self.stash: torch.Tensor | None = None  # unsharded gradients under no_sync
         self.sync_grads = True
+        #: frozen flats: a recorded graph reads this buffer again; release() keeps it
+        self.pinned = False
+        #: called after each plain backward through the unshard (zero3: its unit's frozen
+        #: flats may go once it has reduced)
+        self.on_reduce: Callable[[], None] | None = None
 
     # ----- gather and free ------------------------------------------------------------
     @property
@@ -119,9 +124,9 @@ class FlatParam:
         self.wait()
 
     def release(self) -> None:
-        """Free the full buffer now (after any gather in flight lands)."""
+        """Free the full buffer now (after any gather in flight lands), unless pinned."""
         self.wait()
-        if self.gathered:
+        if self.gathered and not self.pinned:
             self._free()
 
     def maybe_free(self) -> None:
@@ -163,6 +168,8 @@ class FlatParam:
         if not g.is_contiguous() or g._is_view():
             g = g.contiguous().clone()
         self.maybe_free()  # this graph no longer needs the parameters
+        if self.on_reduce is not None:
+            self.on_reduce()
         if self.stash is not None:
             g += self.stash
             self.stash = None

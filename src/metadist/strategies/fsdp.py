@@ -14,6 +14,10 @@ also closed when another unit starts while none of its members runs, or when the
 ends. Activation checkpointing recomputes inside backward: there a member's forward only
 makes sure its unit is gathered.
 
+Frozen parameters (``requires_grad=False``) get flats of their own, which have no gradient
+(no reduce-scatter) yet are read by the backward through their layers: strategies/units.py
+says when they are gathered and freed in backward.
+
 Meta-learning: ``full_parameters()`` returns the full parameters through the differentiable
 all-gather, so inner loops adapt full, local fast weights with ``create_graph=True`` and the
 outer backward reaches the shards through a reduce-scatter; double backward works (FSDP2
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,6 +50,7 @@ from metadist.strategies.module import (
 )
 from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
+from metadist.strategies.units import FrozenHolds, Unit, after_input_grads, in_backward
 from metadist.strategies.wrap import UnitPlan, plan_units, state_dict_key
 from metadist.strategies.zero import clip_sharded_grads
 
@@ -73,55 +79,6 @@ class FSDPConfig(StrategyConfig):
             raise ValueError(f"min_unit_params must be >= 1, got {self.min_unit_params}")
 
 
-def in_backward() -> bool:
-    """True inside an autograd backward, where a forward is activation checkpointing's
-    recomputation (non-reentrant: it refills saved tensors of the original graph)."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-class Unit:
-    """A set of modules gathered and freed together; owns one or more flat shards.
-
-    Per forward a unit is *open* from the first of its members to run until it is closed:
-    when the members expected to run have run and none is running, when another unit opens
-    while none of its members runs, or when the model's forward ends.
-    """
-
-    def __init__(self, plan: UnitPlan, flats: list[FlatParam]) -> None:
-        self.modules, self.flats, self.is_root = plan.modules, flats, plan.is_root
-        self.expected: set[nn.Module] = set(plan.modules)  # what the last forward ran
-        self.ran: set[nn.Module] = set()  # members run in this forward
-        self.waiting: set[nn.Module] = set()  # expected members still to run while open
-        self.running = 0  # member forwards on the stack
-        self.open = False
-        self.grad = False  # the bound views are differentiable (a graph may need them)
-
-    def start_gather(self) -> bool:
-        """Launch the all-gathers; True if one started (nothing was present or in flight)."""
-        return any([flat.start_gather() for flat in self.flats])
-
-    def wait_gather(self) -> None:
-        for flat in self.flats:
-            flat.wait_gather()
-
-    def bind(self) -> None:
-        """Point the modules' parameter attributes at fresh views of the gathered buffers:
-        one differentiable unshard per buffer, shared by every member that reads it."""
-        for flat in self.flats:
-            for slot, view in zip(flat.slots, flat.views(flat.unsharded(True)), strict=True):
-                for module, attr in slot.uses:
-                    module.__dict__[attr] = view
-        self.grad = torch.is_grad_enabled()
-
-    def free(self) -> None:
-        for flat in self.flats:
-            flat.release()
-
-    @property
-    def live(self) -> bool:
-        return any(flat.live > 0 for flat in self.flats)
-
-
 class ShardedModule(DistributedModule):
     """The user's module with its parameters replaced by gathered views of flat shards."""
 
@@ -136,12 +93,19 @@ class ShardedModule(DistributedModule):
         self._open: list[Unit] = []
         self._prefetched: list[Unit] = []  # gathered ahead of a forward that has not come yet
         self._handles: list[Any] = []
+        unit_of = {flat: unit for unit in units for flat in unit.flats}
+        self._holds = FrozenHolds(lambda flat: unit_of[flat].open)
         for unit in units:
             if unit.is_root:
                 continue
+            if unit.frozen:  # its frozen flats may go once its trainable ones have reduced
+                for flat in unit.flats:
+                    if flat.shard.requires_grad:
+                        flat.on_reduce = partial(self._release_frozen, unit)
             for member in unit.modules:
                 self._handles.append(member.register_forward_pre_hook(
-                    lambda m, args, unit=unit: self._before(unit)))
+                    lambda m, args, kwargs, unit=unit: self._before(unit, args, kwargs),
+                    with_kwargs=True))
                 self._handles.append(member.register_forward_hook(
                     lambda m, args, out, unit=unit: self._after(unit, m, out),
                     always_call=True))  # an exception must not leave the unit running
@@ -153,19 +117,29 @@ class ShardedModule(DistributedModule):
         i = self._order.index(unit) + step
         return self._order[i] if 0 <= i < len(self._order) else None
 
-    def _before(self, unit: Unit) -> None:
+    def _before(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if explicit_parameters_active():  # functional_forward bound the parameters itself
-            return
+            return None
         if in_backward():  # recomputation: the original graph's views need the buffer
             unit.wait_gather()
+            self._holds.hold(unit.frozen, recomputing=True)
             if torch.is_grad_enabled() and not unit.grad:
                 unit.bind()  # reentrant checkpointing backpropagates through the recomputation
-            return
+            return None
         if not unit.open:
             self._start(unit)
         elif torch.is_grad_enabled() and not unit.grad:
             unit.bind()  # opened under no_grad: this member's graph needs its own unshard
         unit.running += 1
+        if not unit.frozen or not torch.is_grad_enabled():
+            return None
+        # Frozen flats have no gradient to tell when backward is done with them: a node on
+        # the member's inputs does (see units.py).
+        out = after_input_grads(args, kwargs, partial(self._post_backward, unit))
+        if out is not None:
+            unit.pending += 1
+        return out
 
     def _start(self, unit: Unit) -> None:
         # Units that are not running are done with, as are gathers made for a unit that did
@@ -178,7 +152,7 @@ class ShardedModule(DistributedModule):
         self._prefetched.clear()
         if unit not in self._seen:
             self._seen.append(unit)
-        unit.open, unit.waiting = True, set(unit.expected)
+        unit.open, unit.waiting, unit.graph = True, set(unit.expected), False
         self._open.append(unit)
         unit.bind()
         nxt = self._next(unit, +1)
@@ -191,6 +165,7 @@ class ShardedModule(DistributedModule):
         if torch.is_grad_enabled():
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
+                    unit.graph = True
                     t.register_hook(lambda g, unit=unit: self._before_backward(unit))
         unit.running = max(unit.running - 1, 0)  # 0 if its pre-hook raised before counting
         unit.ran.add(member)
@@ -202,18 +177,36 @@ class ShardedModule(DistributedModule):
     def _close(self, unit: Unit) -> None:
         self._open.remove(unit)
         unit.open, unit.running = False, 0
-        # The last unit of the forward is the first of backward: keep it gathered.
+        # The last unit of the forward is the first of backward: keep it gathered, as long
+        # as a backward will come (frozen flats: only if the outputs need one).
         last = bool(self._order) and unit is self._order[-1]
-        if not unit.grad or (self._config.reshard_after_forward and not last):
-            unit.free()
+        keep = not self._config.reshard_after_forward or last
+        for flat in unit.flats:
+            if not (keep and (unit.grad if flat.shard.requires_grad else unit.graph)):
+                flat.release()
 
     def _before_backward(self, unit: Unit) -> None:
         for flat in unit.flats:
             if flat.live > 0:
                 flat.wait_gather()
+        # the root unit's frozen flats are read anywhere in the backward: kept to its end
+        self._holds.hold(unit.frozen, pin=unit.is_root)
         prev = self._next(unit, -1)
         if self._config.prefetch and prev is not None and prev.live:
             prev.start_gather()
+            self._holds.hold(prev.frozen, wait=False)
+
+    def _post_backward(self, unit: Unit) -> None:
+        """A member's input gradients are complete."""
+        unit.pending = max(unit.pending - 1, 0)
+        self._release_frozen(unit)
+
+    def _release_frozen(self, unit: Unit) -> None:
+        """Free the unit's frozen flats once no backward through it is outstanding (in a
+        plain backward: one with create_graph=True pinned what it read)."""
+        if unit.backward_done and not torch.is_grad_enabled():
+            for flat in unit.frozen:
+                flat.release()  # a pinned one stays
 
     def _end_forward(self) -> None:
         """Close what is still open (members skipped, or an earlier forward that raised)."""
@@ -245,6 +238,9 @@ class ShardedModule(DistributedModule):
 
     def after_step(self) -> None:
         """The shards changed: drop every gathered copy and the graphs' claims on them."""
+        self._holds.reset()
+        for unit in self.units:
+            unit.pending = 0
         for flat in self.flats:
             flat.live = 0
             flat.release()
@@ -265,10 +261,14 @@ class ShardedModule(DistributedModule):
         if unknown:
             raise ValueError(f"functional_forward got unknown parameter names {unknown}; "
                              "use the names of model.full_parameters()")
-        saved = []
+        saved, frozen, fresh = [], [], []
         for flat in self.flats:
             values = [params.get(s.fqn) for s in flat.slots]
             if any(v is None for v in values):  # not given: this unit's own parameters
+                if not flat.shard.requires_grad:
+                    frozen.append(flat)
+                    if not flat.gathered:
+                        fresh.append(flat)
                 gathered = flat.views(flat.unsharded(True))
                 values = [g if v is None else v for v, g in zip(values, gathered, strict=True)]
             for slot, value in zip(flat.slots, values, strict=True):
@@ -277,10 +277,20 @@ class ShardedModule(DistributedModule):
                     module.__dict__[attr] = value
         try:
             with explicit_parameters():
-                return self.run(self.module, args, kwargs)
+                out = self.run(self.module, args, kwargs)
         finally:
             for module, attr, old in reversed(saved):
                 module.__dict__[attr] = old
+        # Frozen parameters read here have no unit hooks: gathered again (if need be) when
+        # the backward reaches the outputs and kept to its end; freed now if none will come.
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+                   and t.requires_grad] if torch.is_grad_enabled() else []
+        for t in outputs:
+            t.register_hook(lambda g: self._holds.hold(frozen, pin=True))
+        if not outputs:
+            for flat in fresh:
+                flat.release()
+        return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """Full parameters (gathered: collective) and buffers, keyed as the user's module."""

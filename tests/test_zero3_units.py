@@ -167,3 +167,53 @@ def test_fused_units_train_like_one_process_under_irregular_forwards(
         if options.get("reshard_after_forward", True):
             # after a forward: the unit kept for backward, and one whose prediction missed
             assert worst <= 2 * unit + 64, (worst, unit)
+
+
+class Stack(nn.Module):
+    """Blocks in a ModuleList and scales in a ParameterList: containers whose forward never
+    runs, so neither may be a unit (their hooks would never fire)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(FEATURES, FEATURES) for _ in range(5))
+        self.scales = nn.ParameterList(nn.Parameter(torch.ones(FEATURES)) for _ in range(5))
+        self.head = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, scale in zip(self.blocks, self.scales, strict=True):
+            x = torch.tanh(block(x)) * scale
+        return self.head(x)
+
+
+def _train_stack(min_unit_params: int, steps: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    net = Stack()
+    s = metadist.strategy("zero3", min_unit_params=min_unit_params)
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    w = metadist.world()
+    for x, y in _data(steps):
+        xs, ys = x.chunk(w.world_size)[w.rank], y.chunk(w.world_size)[w.rank]
+        opt.zero_grad()
+        s.backward(((model(xs) - ys) ** 2).mean())
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("min_unit_params", [10, 100, 250])  # per block, pairs, the whole list
+def test_containers_without_a_forward_are_never_units(min_unit_params: int) -> None:
+    from metadist.strategies.wrap import plan_units
+
+    plans = plan_units(Stack(), min_unit_params)
+    members = [type(m).__name__ for plan in plans for m in plan.modules]
+    assert not {"ModuleList", "ParameterList"} & set(members), members
+    torch.manual_seed(0)
+    net = Stack()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    for x, y in _data(10):
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    for state in run_on_ranks(_train_stack, 2, args=(min_unit_params, 10)):
+        for key, value in net.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, key=key: f"{min_unit_params} {key}: {m}")

@@ -4,9 +4,11 @@ Post-order over the module tree: a module becomes a unit when it is an instance 
 ``classes`` or, without classes, when the parameters in its subtree that no unit claimed yet
 reach ``min_params``. Adjacent small siblings are fused into one unit once together they
 reach the threshold, so a run of small layers costs one gather instead of many; a sibling
-that is a unit of its own ends a run (parameter-free ones, such as activations, do not). Whatever is
-left, and every parameter shared by several modules (tied weights), belongs to the root unit,
-which stays gathered for the whole step.
+that is a unit of its own ends a run (parameter-free ones, such as activations, do not).
+Containers that never run a forward (``ModuleList``, ``ModuleDict``, ``ParameterList``,
+``ParameterDict``) are never units: their children are. Whatever is left, and every parameter
+shared by several modules (tied weights), belongs to the root unit, which stays gathered for
+the whole step.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ class UnitPlan:
     modules: list[nn.Module]
     params: list[tuple[nn.Module, str, nn.Parameter, str]] = field(default_factory=list)
     is_root: bool = False
+
+
+# Containers whose forward never runs (their parent's forward reaches into them): the hooks
+# of a unit formed from one would never fire, so its parameters would never be gathered.
+# They are never a unit nor part of a run; their children are, and what is left of them
+# stays with the parent.
+_NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _direct_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -83,8 +92,9 @@ def plan_units(root: nn.Module, min_params: int,
     def visit(m: nn.Module) -> None:
         for child in m.children():
             visit(child)
-        if m is not root and ((classes and isinstance(m, classes))
-                              or (not classes and free(m) >= min_params)):
+        runs = not isinstance(m, _NO_FORWARD)
+        if m is not root and runs and ((classes and isinstance(m, classes))
+                                       or (not classes and free(m) >= min_params)):
             claim([m])
             return
         if classes:
@@ -93,6 +103,9 @@ def plan_units(root: nn.Module, min_params: int,
         total = 0
         for child in m.children():
             size = free(child)
+            if size and isinstance(child, _NO_FORWARD):
+                group, total = [], 0  # its leftovers stay with m, and m runs them in between
+                continue
             if size == 0:
                 if next(child.parameters(), None) is not None:
                     # a unit of its own runs in between: fusing across it would gather the

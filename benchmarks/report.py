@@ -80,6 +80,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)  # pyplot keeps every open figure alive otherwise
+    return path
+
+
 def _subplots(plt: Any, count: int, width: float = 5.5) -> tuple[Any, list[Any]]:
     fig, axes = plt.subplots(1, count, figsize=(width * count, 4.2), squeeze=False)
     return fig, list(axes[0])
@@ -117,10 +124,7 @@ def plot_ratios(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylabel("ratio (lower is faster)")
         ax.legend(fontsize=7, title="reference", title_fontsize=7, loc="upper center",
                   ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _memory(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -154,10 +158,7 @@ def plot_memory(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylabel("MiB per rank")
         ax.set_title(f"{name}: per-rank state after a step")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _by_op(traffic: dict[str, Any]) -> tuple[int, str]:
@@ -204,10 +205,7 @@ def plot_traffic(results: dict[str, Any], path: Path) -> Path | None:
         ax.set_ylabel("MiB sent per rank per step")
         ax.set_title(f"{name}: traffic vs ring limit")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 PLOTS = (("step-time ratios", "step_ratios.png", plot_ratios),

@@ -228,7 +228,9 @@ def run_suite(specs: list[Spec], out: Path, *, quick: bool = False, world: int |
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
+    # `metadist bench` hands its arguments straight to this parser (python -m benchmarks.suite
+    # takes the same ones).
+    ap = argparse.ArgumentParser(prog="metadist bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/bench", help="output directory (default out/bench)")
     ap.add_argument("--only", default=None,

@@ -157,7 +157,9 @@ def _find_suite(roots: Sequence[Path]) -> Path | None:
     return None
 
 
-def _bench(ns: argparse.Namespace) -> int:
+def _bench(argv: Sequence[str]) -> int:
+    """``metadist bench ARGS``: ARGS go to the suite's own parser (benchmarks/suite.py), which
+    alone defines the options (``metadist bench --help`` lists them)."""
     # The benchmarks live in the source tree, not in the wheel: run the suite from there, in
     # its own process (each benchmark then in its own, so one failing cannot stop the rest).
     roots = _suite_roots()
@@ -169,20 +171,12 @@ def _bench(ns: argparse.Namespace) -> int:
               "clone of the metadist repository (or install metadist from one with "
               "`pip install -e .`)", file=sys.stderr)
         return 2
-    typed = ["bench", "--out", ns.out]
-    cmd = [sys.executable, "-m", "benchmarks.suite",
-           "--out", str(Path(ns.out).expanduser().resolve())]
-    for flag, value in (("--only", ns.only), ("--world", ns.world), ("--timeout", ns.timeout)):
-        if value is not None:
-            typed += [flag, str(value)]
-            cmd += [flag, str(value)]
-    if ns.quick:
-        typed.append("--quick")
-        cmd.append("--quick")
-    cmd += ["--command", shlex.join(["metadist", *typed])]
+    cmd = [sys.executable, "-m", "benchmarks.suite", *argv,
+           "--command", shlex.join(["metadist", "bench", *argv])]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
-    return subprocess.run(cmd, cwd=root, env=env, check=False).returncode
+    # The user's directory: a relative --out means what they typed.
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,33 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("out", help="the file to write")
     cons.set_defaults(handler=_consolidate)
 
-    bench = sub.add_parser(
-        "bench", help="run the benchmark suite (from a source checkout) and write a report "
-                      "with plots: OUT/report.md, OUT/results.json, OUT/*.png",
-        description="Run the benchmarks of a metadist source checkout (benchmarks/), each in "
-                    "its own process, side by side with torch's implementations and the "
-                    "no-communication bound; write OUT/report.md with tables and plots, "
-                    "OUT/results.json, OUT/logs/. Peer anchors (FairScale, Betty, TorchOpt) "
-                    "are used when `make bench` installed them into .bench/.")
-    bench.add_argument("--out", default="out/bench", help="output directory (default out/bench)")
-    bench.add_argument("--only", default=None,
-                       help="comma-separated benchmarks (default all: comm, ddp, zero, "
-                            "precision, checkpoint, meta, mapreduce)")
-    bench.add_argument("--quick", action="store_true",
-                       help="tiny models, 2 steps, 1 warm-up: checks the pipeline in seconds, "
-                            "the figures mean nothing")
-    bench.add_argument("--world", type=int, default=None,
-                       help="ranks for the benchmarks that take it (default theirs: 2)")
-    bench.add_argument("--timeout", type=float, default=None,
-                       help="seconds per benchmark before it is stopped and reported as failed "
-                            "(default 7200, quick 600)")
-    bench.set_defaults(handler=_bench)
+    # Parsed by the suite itself (see _bench); listed here for `metadist --help`.
+    sub.add_parser("bench", add_help=False,
+                   help="run the benchmark suite of a source checkout and write a report with "
+                        "plots (OUT/report.md, OUT/results.json, OUT/*.png); "
+                        "`metadist bench --help` for its options")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if args[:1] == ["bench"]:
+        return _bench(args[1:])
     if args[:1] == ["demo"]:
         # `metadist demo [name] [--nproc N] [anything for the demo, e.g. --strategy zero2]`
         rest = args[1:]

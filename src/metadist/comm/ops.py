@@ -135,16 +135,18 @@ def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSp
 def _launch(name: str, group: Group, tensors: Sequence[torch.Tensor], nbytes: int,
             call: Callable[[dist.ProcessGroup], Any], async_op: bool, result: Any,
             finish: Callable[[], None] | None = None, *, agree: Sequence[TensorSpec] = (),
-            reduce: str = "", root: int = -1) -> Handle | None:
+            reduce: str = "", root: int = -1, checked: bool = False) -> Handle | None:
     """Run ``call`` on the group, or return None when the group is a world of one.
 
     ``agree`` lists the tensors whose dtype (and shape) must be the same on every rank, with
-    ``reduce`` and ``root``: what debug mode compares.
+    ``reduce`` and ``root``: what debug mode compares. ``checked``: the caller already ran
+    :func:`_check` (before work of its own on the tensors).
     """
     pg, size, _ = group_info(group)
     if pg is None or size == 1:
         return None
-    _check(name, str(dist.get_backend(pg)), *tensors)
+    if not checked:
+        _check(name, str(dist.get_backend(pg)), *tensors)
     on_device = bool(tensors) and tensors[0].device.type != "cpu"
     entry = _enter(name, pg, size, agree, reduce, root, on_device)
     stats.record(name, nbytes, size)
@@ -260,7 +262,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None
         def call(pg: dist.ProcessGroup) -> list[Any]:
             return [_all_gather_single(output, input, group=pg, async_op=True)]
     return _launch("all_gather", group, [output, input], _nbytes(output), call, async_op,
-                   output, agree=[(input, True)]) or Handle(output)
+                   output, agree=[(input, True)], checked=True) or Handle(output)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName = "sum", *,
@@ -309,7 +311,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
         def call(pg: dist.ProcessGroup) -> list[Any]:
             return [_reduce_scatter_single(output, input, top, group=pg, async_op=True)]
     return _launch("reduce_scatter", group, [output, input], _nbytes(input), call, async_op,
-                   output, finish, agree=[(output, True)], reduce=op) or Handle(output)
+                   output, finish, agree=[(output, True)], reduce=op,
+                   checked=True) or Handle(output)
 
 
 def scatter(output: torch.Tensor, inputs: Sequence[torch.Tensor] | None = None, src: int = 0, *,

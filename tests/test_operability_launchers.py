@@ -97,7 +97,7 @@ def test_run_on_one_node_listens_on_loopback_only() -> None:
     # metadist run meets through a file and rank 0's worker serves the store on loopback.
     proc, _ = _metadist("run", "--nproc", "2", LISTENERS)
     assert proc.returncode == 0, proc.stderr
-    rows = re.findall(r"rank=(\d) who=(\w+) (\S+)", proc.stdout)
+    rows = re.findall(r"^rank=(\d) who=(\w+) (\S+)$", proc.stdout, re.MULTILINE)
     assert ("0", "worker") in {(r, w) for r, w, _ in rows}, proc.stdout  # the store, gloo
     for rank, who, address in rows:
         assert is_loopback_address(address), f"rank {rank}'s {who} listens on {address}"

@@ -8,7 +8,8 @@ from metadist.testing import listening_addresses
 
 w = metadist.init()
 metadist.barrier()
-for who, pid in (("worker", os.getpid()), ("agent", os.getppid())):
-    for address in listening_addresses(pid):
-        print(f"rank={w.rank} who={who} {address}", flush=True)
+rows = "".join(f"rank={w.rank} who={who} {address}\n"
+               for who, pid in (("worker", os.getpid()), ("agent", os.getppid()))
+               for address in listening_addresses(pid))
+os.write(1, rows.encode())  # one write (under PIPE_BUF): two ranks' lines never interleave
 metadist.barrier()

@@ -14,6 +14,11 @@ when the next one is launched or backward ends; inside ``torch.autograd.grad`` i
 gradient.
 Writes into the full buffer go through ``.data`` so re-gathering for backward never trips
 autograd's version checks on the tensors it saved.
+
+Graphs that no unit hook re-gathers for (``full_parameters()``, the parameters
+``functional_forward`` fills in) get :meth:`FlatParam.owned`: a gathered copy of their own
+behind :class:`_UnshardOwned`, shared by the calls until the next optimizer step. No forward
+or backward in between can free it, and a graph kept with ``retain_graph`` can run again.
 """
 
 from __future__ import annotations
@@ -89,6 +94,10 @@ class FlatParam:
         #: called after each plain backward through the unshard (zero3: its unit's frozen
         #: flats may go once it has reduced)
         self.on_reduce: Callable[[], None] | None = None
+        #: (shard version, differentiable owned copy): shared by the calls until the shard
+        #: changes. A strong reference: whether a call gathers must not depend on when the
+        #: garbage collector ran on each rank.
+        self.owned_copy: tuple[int, torch.Tensor] | None = None
 
     # ----- gather and free ------------------------------------------------------------
     @property
@@ -130,8 +139,8 @@ class FlatParam:
             self._free()
 
     def maybe_free(self) -> None:
-        """Free the full buffer unless a pending gather or a live graph still needs it."""
-        if self.live <= 0 and self._handle is None and self.gathered:
+        """Free the full buffer unless a pending gather, a live graph or a pin needs it."""
+        if self.live <= 0 and self._handle is None and self.gathered and not self.pinned:
             self._free()
 
     def unsharded(self, differentiable: bool) -> torch.Tensor:
@@ -143,6 +152,31 @@ class FlatParam:
             return out
         return self.full.detach()
 
+    def owned(self) -> torch.Tensor:
+        """The full parameters in memory of their own (not the shared buffer): differentiable
+        into the shard (through :class:`_UnshardOwned`) when gradients should flow. Calls
+        between two changes of the shard (optimizer steps) share one copy, which is kept
+        until the shard changes or ``owned_copy`` is cleared (zero3: after the step)."""
+        if not (self.shard.requires_grad and torch.is_grad_enabled()):
+            return self._gather_copy()
+        if self.owned_copy is not None and self.owned_copy[0] == self.shard._version:
+            return self.owned_copy[1]
+        out: torch.Tensor = _UnshardOwned.apply(self.shard, self)
+        self.owned_copy = (self.shard._version, out)
+        return out
+
+    def _gather_copy(self) -> torch.Tensor:
+        """A fresh tensor holding the full buffer: copied if it is gathered (or on its
+        way), else all-gathered into directly; the shared buffer is left as it was."""
+        with torch.no_grad():
+            if self.gathered:
+                self.wait()
+                return self.full.detach().clone()
+            out = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
+            src = self.shard.detach().to(self.device, self.compute_dtype)
+            ops.all_gather(out, src, group=self.group)
+            return out
+
     def views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Parameter-shaped views of ``full`` (one split: a single node in backward)."""
         sizes = [s.numel for s in self.slots]
@@ -150,9 +184,13 @@ class FlatParam:
         return [piece.view(s.shape) for piece, s in zip(pieces, self.slots, strict=False)]
 
     # ----- gradients ------------------------------------------------------------------
-    def reduce(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """Backward of the unshard: this rank's shard of the mean gradient over ranks."""
-        self.live -= 1
+    def reduce(self, grad: torch.Tensor, owned: bool = False) -> torch.Tensor | None:
+        """Backward of the unshard: this rank's shard of the mean gradient over ranks.
+        ``owned``: of an owned copy, which neither counts as a graph on the buffer nor
+        frees it."""
+        if not owned:
+            # at 0 already: a graph kept by retain_graph=True, backpropagated again
+            self.live = max(self.live - 1, 0)
         scale = self.scale()
         if torch.is_grad_enabled():
             # create_graph: differentiable collectives. The parameters stay gathered: the
@@ -167,7 +205,8 @@ class FlatParam:
         g = grad if grad.dtype == self.reduce_dtype else grad.to(self.reduce_dtype)
         if not g.is_contiguous() or g._is_view():
             g = g.contiguous().clone()
-        self.maybe_free()  # this graph no longer needs the parameters
+        if not owned:
+            self.maybe_free()  # this graph no longer needs the parameters
         if self.on_reduce is not None:
             self.on_reduce()
         if self.stash is not None:
@@ -214,6 +253,20 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         return ctx.flat.reduce(grad), None
+
+
+class _UnshardOwned(torch.autograd.Function):
+    """Like :class:`_Unshard`, for a gathered copy the graph owns. It saves no tensors, so
+    every graph built on one copy may run through it."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, flat: FlatParam) -> torch.Tensor:
+        ctx.flat = flat
+        return flat._gather_copy()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return ctx.flat.reduce(grad, owned=True), None
 
 
 class BackwardCoordinator:

@@ -50,7 +50,7 @@ from metadist.strategies.module import (
 )
 from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
-from metadist.strategies.units import FrozenHolds, Unit, after_input_grads, in_backward
+from metadist.strategies.units import BackwardHolds, Unit, after_input_grads, in_backward
 from metadist.strategies.wrap import UnitPlan, plan_units, state_dict_key
 from metadist.strategies.zero import clip_sharded_grads
 
@@ -94,7 +94,7 @@ class ShardedModule(DistributedModule):
         self._prefetched: list[Unit] = []  # gathered ahead of a forward that has not come yet
         self._handles: list[Any] = []
         unit_of = {flat: unit for unit in units for flat in unit.flats}
-        self._holds = FrozenHolds(lambda flat: unit_of[flat].open)
+        self._holds = BackwardHolds(lambda flat: unit_of[flat].open)
         for unit in units:
             if unit.is_root:
                 continue
@@ -186,11 +186,17 @@ class ShardedModule(DistributedModule):
                 flat.release()
 
     def _before_backward(self, unit: Unit) -> None:
-        for flat in unit.flats:
+        trainable = [flat for flat in unit.flats if flat.shard.requires_grad]
+        for flat in trainable:
             if flat.live > 0:
-                flat.wait_gather()
+                flat.wait_gather()  # its unshard frees it again
         # the root unit's frozen flats are read anywhere in the backward: kept to its end
         self._holds.hold(unit.frozen, pin=unit.is_root)
+        # A graph kept by retain_graph=True is read again after its unshard reduced (live
+        # 0): gathered for this backward only. With create_graph=True the recorded graph
+        # reads the trainable flats later too, and no hook gathers them then: pinned.
+        self._holds.hold(trainable if torch.is_grad_enabled()
+                         else [flat for flat in trainable if flat.live <= 0])
         prev = self._next(unit, -1)
         if self._config.prefetch and prev is not None and prev.live:
             prev.start_gather()
@@ -242,7 +248,7 @@ class ShardedModule(DistributedModule):
         for unit in self.units:
             unit.pending = 0
         for flat in self.flats:
-            flat.live = 0
+            flat.live, flat.owned_copy = 0, None
             flat.release()
 
     # ----- meta-learning and checkpoints ----------------------------------------------
@@ -250,7 +256,7 @@ class ShardedModule(DistributedModule):
         out: dict[str, torch.Tensor] = {}
         for flat in self.flats:
             if flat.shard.requires_grad:
-                full = flat.unsharded(True)
+                full = flat.owned()  # no hook re-gathers for these graphs: they own a copy
                 out.update((s.fqn, v) for s, v in zip(flat.slots, flat.views(full), strict=True))
         return out
 
@@ -265,11 +271,14 @@ class ShardedModule(DistributedModule):
         for flat in self.flats:
             values = [params.get(s.fqn) for s in flat.slots]
             if any(v is None for v in values):  # not given: this unit's own parameters
-                if not flat.shard.requires_grad:
+                if flat.shard.requires_grad:
+                    full = flat.owned()  # as in full_parameters()
+                else:
                     frozen.append(flat)
                     if not flat.gathered:
                         fresh.append(flat)
-                gathered = flat.views(flat.unsharded(True))
+                    full = flat.unsharded(True)
+                gathered = flat.views(full)
                 values = [g if v is None else v for v, g in zip(values, gathered, strict=True)]
             for slot, value in zip(flat.slots, values, strict=True):
                 for module, attr in slot.uses:

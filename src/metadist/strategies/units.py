@@ -132,8 +132,9 @@ def after_input_grads(args: tuple[Any, ...], kwargs: dict[str, Any],
     return out
 
 
-class FrozenHolds:
-    """Frozen flats gathered for a backward, freed when it ends (or pinned past it)."""
+class BackwardHolds:
+    """Flats gathered for a backward that no unshard frees (frozen ones, and trainable ones
+    read again through a retained or recorded graph): freed when it ends, or pinned past it."""
 
     def __init__(self, busy: Callable[[FlatParam], bool]) -> None:
         self.busy = busy  # its unit is in a forward now: leave it to the forward's hooks
@@ -144,7 +145,7 @@ class FrozenHolds:
 
     def hold(self, flats: Iterable[FlatParam], *, wait: bool = True, pin: bool = False,
              recomputing: bool = False) -> None:
-        """Gather ``flats`` (frozen) for the backward now running. ``pin``: keep them until
+        """Gather ``flats`` for the backward now running. ``pin``: keep them until
         it ends (no per-unit post-backward frees them). In a backward with
         ``create_graph=True`` they are pinned until a plain backward ends: the graph it
         records reads them again. The grad mode tells which backward this is, except in

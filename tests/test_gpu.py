@@ -79,3 +79,20 @@ def test_cpu_and_cuda_tensors_in_one_collective_are_refused() -> None:
     for message in run_on_ranks(_cpu_and_cuda_in_one_collective, 2, backend="gloo"):
         assert message == ("all_gather: tensors are on different devices (cpu, cuda:0); move "
                            "them to one device first")
+
+
+def _cuda_rng_untouched_by_an_epoch() -> bool:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.cuda.manual_seed(123)
+    before = torch.cuda.get_rng_state()
+    loader = metadist.strategy("ddp").setup_dataloader(
+        DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, shuffle=True))
+    assert len(list(loader)) == 4
+    return torch.equal(before, torch.cuda.get_rng_state())
+
+
+def test_the_loaders_shuffle_leaves_the_cuda_generator_alone() -> None:
+    # The epoch's order is drawn under a seeded CPU generator; the user's CUDA stream of
+    # random numbers (dropout) must not be reseeded by it.
+    assert run_on_ranks(_cuda_rng_untouched_by_an_epoch, 1, backend=None)[0]

@@ -90,8 +90,11 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.epoch, self.start, self.start_steps = epoch, start, start_steps
 
     def _draw(self) -> list[Any]:
+        # The CPU generator only (forked and restored): torch.manual_seed would also reseed
+        # every accelerator's generator, which fork_rng(devices=[]) does not restore, and
+        # costs about 1 ms.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + self.epoch)
+            torch.default_generator.manual_seed(self.seed + self.epoch)
             state = random.getstate()
             random.seed(self.seed + self.epoch)
             try:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 import metadist
+from metadist.comm import stats
 from metadist.strategies.fsdp import ShardedModule
 from metadist.testing import run_on_ranks, unique_storage_bytes
 from parity import ATOL, RTOL
@@ -191,3 +192,32 @@ def _retain_memory() -> tuple[list[int], int]:
 def test_a_retained_graph_frees_what_its_second_backward_gathered() -> None:
     for seen, root in run_on_ranks(_retain_memory, 2):
         assert seen == [root, root]
+
+
+def _copies_per_step() -> list[tuple[int, bool, bool]]:
+    """Per step: all-gathers made by four full_parameters() calls (two with grad, two
+    without) beyond one per flat not gathered, whether they all share one copy, and whether
+    the step dropped it."""
+    s = metadist.strategy("zero3", min_unit_params=20)
+    net = _net()
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert isinstance(model, ShardedModule)
+    seen = []
+    for x, y in _data()[:2]:
+        apart = sum(not flat.gathered for flat in model.flats)  # the root unit stays gathered
+        with stats.counting() as counted:
+            calls = [model.full_parameters() for _ in range(2)]
+            with torch.no_grad():
+                calls += [model.full_parameters() for _ in range(2)]
+        shared = all(c[k].untyped_storage().data_ptr() == calls[0][k].untyped_storage().data_ptr()
+                     for c in calls for k in c)
+        s.backward(_mse(model.functional_forward(calls[0], x), y))
+        opt.step()
+        seen.append((counted.ops["all_gather"].calls - apart, shared,
+                     all(flat.owned_copy is None for flat in model.flats)))
+    return seen
+
+
+def test_full_parameters_gathers_once_per_step_and_the_step_drops_the_copy() -> None:
+    for seen in run_on_ranks(_copies_per_step, 2):
+        assert seen == [(0, True, True)] * 2, seen

@@ -209,7 +209,7 @@ class Problem(ABC):
 
     def params(self, *, clone: bool = False) -> dict[str, Tensor]:
         """This problem's current full parameters by name, detached (cloned with
-        ``clone=True``: sharded strategies free their gathered buffers later)."""
+        ``clone=True``: the optimizer step updates replicated parameters in place)."""
         with torch.no_grad():
             full = self.wrapped.full_parameters()  # zero1/2: waits for in-flight refreshes
             return {n: (p.detach().clone() if clone else p.detach()) for n, p in full.items()}

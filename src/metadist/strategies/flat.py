@@ -94,9 +94,9 @@ class FlatParam:
         #: called after each plain backward through the unshard (zero3: its unit's frozen
         #: flats may go once it has reduced)
         self.on_reduce: Callable[[], None] | None = None
-        #: (shard version, differentiable owned copy): shared by the calls until the shard
-        #: changes. A strong reference: whether a call gathers must not depend on when the
-        #: garbage collector ran on each rank.
+        #: (shard version, owned copy): shared by the calls until the shard changes. A strong
+        #: reference: whether a call gathers must not depend on when the garbage collector
+        #: ran on each rank.
         self.owned_copy: tuple[int, torch.Tensor] | None = None
 
     # ----- gather and free ------------------------------------------------------------
@@ -155,13 +155,18 @@ class FlatParam:
     def owned(self) -> torch.Tensor:
         """The full parameters in memory of their own (not the shared buffer): differentiable
         into the shard (through :class:`_UnshardOwned`) when gradients should flow. Calls
-        between two changes of the shard (optimizer steps) share one copy, which is kept
-        until the shard changes or ``owned_copy`` is cleared (zero3: after the step)."""
-        if not (self.shard.requires_grad and torch.is_grad_enabled()):
-            return self._gather_copy()
+        between two changes of the shard (optimizer steps) share one copy, gathered once,
+        which is kept until the shard changes or ``owned_copy`` is cleared (zero3: after the
+        step); calls under no_grad get it detached."""
+        differentiable = self.shard.requires_grad and torch.is_grad_enabled()
         if self.owned_copy is not None and self.owned_copy[0] == self.shard._version:
-            return self.owned_copy[1]
-        out: torch.Tensor = _UnshardOwned.apply(self.shard, self)
+            kept = self.owned_copy[1]
+            if not differentiable:
+                return kept.detach()
+            if kept.requires_grad:
+                return kept
+        out: torch.Tensor = (_UnshardOwned.apply(self.shard, self) if differentiable
+                             else self._gather_copy())
         self.owned_copy = (self.shard._version, out)
         return out
 

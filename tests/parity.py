@@ -171,6 +171,15 @@ def train_on_rank(strategy: str, optimizer: str, accumulate: int = 1, batchnorm:
     return snapshot(model, opt, s, names)
 
 
+def assert_tensors_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                         where: str = "") -> None:
+    """The same names, and every tensor within the parity tolerances."""
+    assert got.keys() == want.keys(), f"{where}: names differ"
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{where} {name}: {m}")
+
+
 def assert_parity(got: dict[str, Any], want: dict[str, Any], where: str = "") -> None:
     for kind in ("params", "buffers", "state"):
         assert got[kind].keys() == want[kind].keys(), f"{where} {kind} names differ"

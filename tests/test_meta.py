@@ -15,7 +15,7 @@ from meta import (
     penalty_reference,
 )
 from metadist.testing import run_on_ranks
-from parity import ATOL, RTOL
+from parity import assert_tensors_close
 
 # (strategy, options): zero3/hsdp with tiny units so the models split into several.
 STRATEGIES: dict[str, dict[str, object]] = {
@@ -28,13 +28,6 @@ LAYOUTS["hsdp"] = [(2, 2), (4, 2)]
 CASES = [(name, n, nodes) for name, layouts in LAYOUTS.items() for n, nodes in layouts]
 SECOND_ORDER = [(name, n, nodes) for name, n, nodes in CASES if n in (2, 3, 4) and (
     n != 4 or name == "hsdp")]
-
-
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str) -> None:
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def test_second_order_maml_matches_single_process(
     out = run_on_ranks(maml_on_rank, n, nnodes=nnodes, timeout=300,
                        args=(strategy, per_task_backward, STRATEGIES[strategy]))
     for rank, got in enumerate(out):
-        _close(got, maml_want[per_task_backward], f"{strategy} n={n} rank={rank}")
+        assert_tensors_close(got, maml_want[per_task_backward], f"{strategy} n={n} rank={rank}")
 
 
 @pytest.mark.parametrize(("strategy", "n", "nnodes"), SECOND_ORDER)
@@ -59,7 +52,7 @@ def test_gradient_norm_penalty_matches_single_process(strategy: str, n: int,
     want = penalty_reference()
     out = run_on_ranks(penalty_on_rank, n, nnodes=nnodes, args=(strategy, STRATEGIES[strategy]))
     for rank, got in enumerate(out):
-        _close(got, want, f"{strategy} n={n} rank={rank}")
+        assert_tensors_close(got, want, f"{strategy} n={n} rank={rank}")
 
 
 @pytest.mark.parametrize(("strategy", "n", "nnodes"), SECOND_ORDER)
@@ -70,4 +63,4 @@ def test_synced_hypergradient_matches_single_process(strategy: str, n: int,
     for rank, (got, got_decay, got_hypers) in enumerate(out):
         assert got_hypers == pytest.approx(hypers, rel=1e-5, abs=1e-7), f"rank {rank}"
         assert got_decay == pytest.approx(decay, rel=1e-6)
-        _close(got, params, f"{strategy} n={n} rank={rank}")
+        assert_tensors_close(got, params, f"{strategy} n={n} rank={rank}")

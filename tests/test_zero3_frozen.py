@@ -18,7 +18,7 @@ import metadist
 from metadist.comm import stats
 from metadist.strategies.fsdp import ShardedModule
 from metadist.testing import run_on_ranks, unique_storage_bytes
-from parity import ATOL, RTOL
+from parity import assert_tensors_close
 
 FEATURES, OUT, BATCH, STEPS = 8, 2, 12, 10  # BATCH splits evenly over 2 and 3 ranks
 
@@ -162,9 +162,7 @@ def test_frozen_units_train_like_one_process(n: int, case: str,
     out = run_on_ranks(_train, n, args=(case, options))
     for rank, got in enumerate(out):
         where = f"n={n} {case} {options} rank {rank}"
-        for key, value in want.items():
-            torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key, at=where: f"{at} {key}: {m}")
+        assert_tensors_close(got["state"], want, where)
         for name, value in got["initial"].items():  # frozen: untouched, on every rank
             assert torch.equal(got["state"][name], value), f"{where}: frozen {name} moved"
             assert torch.equal(got["state"][name], out[0]["state"][name]), where
@@ -250,9 +248,7 @@ def _maml(options: dict[str, Any]) -> dict[str, Any]:
 def test_maml_through_a_frozen_unit_matches_one_process(n: int, options: dict[str, Any]) -> None:
     want = _maml_reference()
     for rank, got in enumerate(run_on_ranks(_maml, n, args=(options,))):
-        for key, value in want.items():
-            torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key, r=rank: f"n={n} rank {r} {key}: {m}")
+        assert_tensors_close(got["state"], want, f"n={n} {options} rank {rank}")
         assert got["after_backward"] == [0] * len(got["after_backward"]), got
 
 
@@ -305,7 +301,5 @@ def test_gradient_penalty_through_a_frozen_unit_matches_one_process(
         n: int, options: dict[str, Any]) -> None:
     want = _penalty_reference()
     for rank, got in enumerate(run_on_ranks(_penalty, n, args=(options,))):
-        for key, value in want.items():
-            torch.testing.assert_close(got["state"][key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key, r=rank: f"n={n} rank {r} {key}: {m}")
+        assert_tensors_close(got["state"], want, f"n={n} {options} rank {rank}")
         assert got["after_backward"] == [0] * len(got["after_backward"]), got

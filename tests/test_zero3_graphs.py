@@ -17,7 +17,7 @@ import metadist
 from metadist.comm import stats
 from metadist.strategies.fsdp import ShardedModule
 from metadist.testing import run_on_ranks, unique_storage_bytes
-from parity import ATOL, RTOL
+from parity import assert_tensors_close
 
 STEPS, BATCH, LAM = 10, 12, 0.1
 Backward = Callable[..., None]
@@ -166,10 +166,7 @@ def test_graphs_read_again_train_like_one_process(name: str, strategy: str, n: i
     want = _reference(name, n)
     for rank, (state, left, root) in enumerate(
             run_on_ranks(_on_rank, n, nnodes=nnodes, args=(name, strategy, n // nnodes))):
-        for key, value in want.items():
-            torch.testing.assert_close(
-                state[key], value, rtol=RTOL, atol=ATOL,
-                msg=lambda m, key=key, rank=rank: f"{name} {strategy} n={n} rank={rank} {key}: {m}")
+        assert_tensors_close(state, want, f"{name} {strategy} n={n} rank={rank}")
         assert left == [root] * STEPS, (left, root)
 
 

@@ -14,7 +14,7 @@ import metadist
 from metadist.comm import stats
 from metadist.strategies.fsdp import ShardedModule
 from metadist.testing import run_on_ranks, unique_storage_bytes
-from parity import ATOL, RTOL
+from parity import assert_tensors_close
 
 
 def _gathered(model: ShardedModule) -> int:
@@ -161,9 +161,7 @@ def test_fused_units_train_like_one_process_under_irregular_forwards(
     steps = 2 * len(PATTERNS)
     want = _reference(steps)
     for state, worst, unit in run_on_ranks(_train, n, args=(options, steps)):
-        for key, value in want.items():
-            torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key: f"n={n} {options} {key}: {m}")
+        assert_tensors_close(state, want, f"n={n} {options}")
         if options.get("reshard_after_forward", True):
             # after a forward: the unit kept for backward, and one whose prediction missed
             assert worst <= 2 * unit + 64, (worst, unit)
@@ -214,6 +212,4 @@ def test_containers_without_a_forward_are_never_units(min_unit_params: int) -> N
         ((net(x) - y) ** 2).mean().backward()
         opt.step()
     for state in run_on_ranks(_train_stack, 2, args=(min_unit_params, 10)):
-        for key, value in net.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key: f"{min_unit_params} {key}: {m}")
+        assert_tensors_close(state, net.state_dict(), f"min_unit_params={min_unit_params}")

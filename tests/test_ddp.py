@@ -78,7 +78,7 @@ def test_one_collective_per_bucket_and_grads_are_bucket_views() -> None:
         assert all(views)
 
 
-def _multi_backward_syncs_once_more() -> tuple[int, int]:
+def _multi_backward_calls() -> tuple[int, int, int]:
     net = make_net(batchnorm=False)
     s = metadist.strategy("ddp")
     model, opt = s.setup(net, make_optimizer("sgd", net.parameters()))
@@ -88,12 +88,19 @@ def _multi_backward_syncs_once_more() -> tuple[int, int]:
         for _ in range(3):
             loss_fn(model(xs), ys).backward()
         opt.step()
-    return buckets, counted.ops["all_reduce"].calls
+    with stats.counting() as accumulated:
+        with s.no_sync(model):
+            for _ in range(2):
+                loss_fn(model(xs), ys).backward()
+        loss_fn(model(xs), ys).backward()
+        opt.step()
+    return buckets, counted.ops["all_reduce"].calls, accumulated.ops["all_reduce"].calls
 
 
-def test_several_backward_calls_sync_once_more_at_step() -> None:
-    for buckets, calls in run_on_ranks(_multi_backward_syncs_once_more, 2):
-        assert calls == 2 * buckets  # the first backward overlapped, then one re-sync
+def test_every_backward_ends_synced_and_no_sync_accumulates_locally() -> None:
+    for buckets, calls, accumulated in run_on_ranks(_multi_backward_calls, 2):
+        assert calls == 3 * buckets  # each backward syncs by its end, whatever steps next
+        assert accumulated == buckets  # no_sync: one sync, in the backward after the block
 
 
 def _several_backward_calls(n_backward: int) -> dict[str, object]:

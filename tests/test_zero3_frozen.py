@@ -286,7 +286,8 @@ def _penalty(options: dict[str, Any]) -> dict[str, Any]:
         # this rank's shard of the gradient of the global loss (the unshard's reduce-scatter
         # is differentiable): the ranks' penalties sum to the whole one, and the strategy
         # averages the ranks' objectives, hence the factor N
-        grads = torch.autograd.grad(loss, shards, create_graph=True)
+        with model.reduced_shard_grads():  # asked for on purpose: raises otherwise
+            grads = torch.autograd.grad(loss, shards, create_graph=True)
         penalty = sum((g ** 2).sum() for g in grads)
         s.backward(loss + PENALTY * w.world_size * penalty)
         after.append(_gathered(model))

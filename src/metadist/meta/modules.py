@@ -17,9 +17,12 @@ non-leaf parameters are in place: it would wrap them back into detached leaves.)
 Under a strategy, pass the wrapped model (what ``strategy.setup`` returned), not
 ``model.module``: zero1/zero2 refresh parameters asynchronously after ``optimizer.step()`` and
 the wrapper waits for that refresh before anything here reads a parameter. Strategies that
-shard parameters (zero3, hsdp) keep no full parameters in the module; there, adapt
-``model.full_parameters()`` with the functional optimisers and run
-``model.functional_forward`` (the module-bound tools raise and say so).
+shard parameters (zero3, hsdp) keep no full parameters in the module: ``module_clone`` of the
+wrapped model there is a copy of the user's module on the full parameters (differentiable
+into the shards), so a clone per task with a meta-optimiser works as under ddp; the tools
+that would change the wrapped model in place (a meta-optimiser bound to it,
+``extract_state_dict``/``recover_state_dict``) raise and point to ``module_clone`` or to
+``model.full_parameters()`` with the functional optimisers.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ def unwrap(module: nn.Module) -> nn.Module:
     own = dict(module.module.named_parameters())
     if any(own.get(name) is not tensor for name, tensor in full.items()):
         raise ValueError(f"this strategy's module ({type(module).__name__}) holds parameter "
-                         "shards, not full parameters; adapt model.full_parameters() with the "
+                         "shards, not full parameters, so it cannot be changed in place; bind "
+                         "the meta-optimiser to a clone (module_clone(model, by='copy'), which "
+                         "holds the full parameters), or adapt model.full_parameters() with the "
                          "functional optimisers (metadist.meta.sgd/adam/adamw) and run "
                          "model.functional_forward(params, ...) instead")
     return module.module
@@ -128,7 +133,9 @@ def module_clone(module: M, *, by: By = "reference", detach_buffers: bool = Fals
     stay tied. Hooks and other attributes are deep-copied as ``copy.deepcopy`` does. A
     strategy's wrapped model clones to a copy of the user's module (see the module notes).
     """
-    inner = unwrap(module)
+    # zero3/hsdp: a copy of the user's module on the full parameters, differentiable into
+    # the shards; other strategies: the user's module itself.
+    inner = module.plain_module() if isinstance(module, DistributedModule) else module
     memo: dict[int, Any] = {
         id(original): new
         for _, original, new in _converted(inner, by, detach_buffers, with_buffers=True)

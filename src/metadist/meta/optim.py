@@ -8,10 +8,9 @@ functional form in :mod:`metadist.meta.transforms`; this class only binds it to 
 
 Under a strategy, inner loops stay local to each rank (metadist's semantics: only
 accumulation into ``.grad`` syncs). Bind the optimiser to a per-task
-``module_clone(model, by="copy")`` (or to ``model`` itself, restoring it with
-``recover_state_dict`` before ``optimizer.step()``) under ddp, zero1 and zero2; under
-zero3/hsdp, whose modules hold shards, adapt ``model.full_parameters()`` with the functional
-form. Pass ``grad_sync=strategy.sync_grads`` when the inner problem itself is global (e.g.
+``module_clone(model, by="copy")`` under every strategy (under zero3/hsdp the clone holds the
+full parameters, differentiable into the shards), or under ddp, zero1 and zero2 to ``model``
+itself, restoring it with ``recover_state_dict`` before ``optimizer.step()``. Pass ``grad_sync=strategy.sync_grads`` when the inner problem itself is global (e.g.
 unrolled bilevel optimisation over the whole, rank-split, training batch).
 """
 

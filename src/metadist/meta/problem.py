@@ -239,9 +239,13 @@ class Problem(ABC):
                 owner._parameters[local] = old
 
     def trainable(self) -> list[Tensor]:
-        """The leaf tensors this problem's gradients accumulate into (shards under zero3)."""
+        """The leaf tensors this problem's gradients accumulate into (shards under zero3),
+        their values current: zero1/zero2 refresh parameters after a step asynchronously,
+        and whoever reads or edits them through this list waits for that first."""
+        module = self.wrapped
+        module.wait_params()  # every call: the cached list below skips named_parameters' wait
         if not self._trainable:  # the same tensor objects for the life of the setup
-            self._trainable = [t for t in self.wrapped.parameters() if t.requires_grad]
+            self._trainable = [t for t in module.parameters() if t.requires_grad]
         return self._trainable
 
     def accumulate_grads(self, grads: Mapping[str, Tensor]) -> None:

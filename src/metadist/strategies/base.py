@@ -26,6 +26,7 @@ from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
+from metadist.strategies import ownership
 from metadist.strategies.module import DistributedModule
 
 if TYPE_CHECKING:  # checkpoint/ imports strategies, so only a lazy import at run time
@@ -135,6 +136,7 @@ class Strategy(ABC):
         #: The loss scaler of precision="16-mixed" (None otherwise); save it in checkpoints.
         self.scaler: LossScaler | None = (LossScaler() if config.precision == "16-mixed"
                                           else None)
+        self._backward_checked = False
 
     @property
     def precision(self) -> Precision:
@@ -187,7 +189,16 @@ class Strategy(ABC):
             model = apply_activation_checkpointing(model, self.config.activation_checkpointing)
         module = self._setup_module(model)
         module.precision = precision
+        ownership.claim(module.parameters(), self.name, self._optimizer_needed())
         return module
+
+    def _optimizer_needed(self) -> str | None:
+        """Why an optimizer stepping this strategy's parameters must go through
+        :meth:`setup_optimizer` (None: any optimizer steps them exactly)."""
+        if self.scaler is not None:
+            return ('precision="16-mixed" scales the loss, and only an optimizer set up by '
+                    "the strategy unscales the gradients and skips steps that overflow")
+        return None
 
     def setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         """Adapt ``optimizer``, built on ``module.module``'s parameters, to this strategy."""
@@ -196,6 +207,7 @@ class Strategy(ABC):
                             "strategy.setup_module(model); or call strategy.setup(model, "
                             "optimizer) for both")
         optimizer = self._setup_optimizer(module, optimizer)
+        ownership.adopt(optimizer)
         if self.scaler is not None:
             self.scaler.attach(optimizer)  # after the strategy's hooks: gradients are synced
         return optimizer
@@ -243,7 +255,15 @@ class Strategy(ABC):
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``, scaled under precision="16-mixed" (where it is required);
-        with other precisions plain ``loss.backward()`` works too."""
+        with other precisions plain ``loss.backward()`` works too.
+
+        On more than one rank the first call (every call in debug mode) checks that the
+        gradient reaches a module this or another strategy set up and no ``nn.Parameter``
+        outside one: those gradients would stay local and the ranks would drift apart."""
+        if not self._backward_checked or ops.debug_enabled():
+            if self.world.world_size > 1:
+                ownership.check_backward(loss, kwargs.get("inputs"), self.name)
+            self._backward_checked = True
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         loss.backward(*args, **kwargs)

@@ -6,20 +6,23 @@ buffer (buckets launch strictly in index order, the same on every rank); the end
 (an autograd callback) launches what is left and waits; the optimizer then steps on averaged
 gradients that are views into the bucket buffers.
 
-Semantics (see ARCHITECTURE.md):
+Semantics:
 * Only accumulation into ``.grad`` syncs. ``torch.autograd.grad`` (inner loops) never fires the
   hooks, so inner-loop gradients stay local; any number of forwards per step is fine.
-* Several backward calls in one step: the first syncs with overlap; later ones only
-  accumulate and one re-sync runs before ``optimizer.step()``. Every rank then holds
-  ``avg_previous + local_new`` and, because ``avg_previous`` is identical everywhere, the mean
-  of those buffers is exactly ``avg_previous + mean(local_new)``.
+* Every backward that accumulates ends synced, whichever optimizer steps afterwards (one
+  built after setup included): nothing waits for an optimizer hook to say a step began. A
+  second backward in a step adds its local gradients to the synced average; every rank
+  then holds ``avg_previous + local_new`` and, because ``avg_previous`` is identical
+  everywhere, the weighted sum of those buffers is exactly ``avg_previous + mean(local_new)``.
+  (Accumulating micro-batches locally is what ``no_sync`` is for.)
 * Each bucket carries one flag per parameter ("had a gradient here"), summed with the
   gradients, so a parameter no rank touched keeps ``grad=None`` on every rank with no extra
   collective and no user flag.
 * zero2 owners: a bucket's result is kept by its owner only; other ranks drop the gradients
-  at once. For later backward calls in the step the owner pre-scales its own incoming
-  gradient (a tensor hook that only acts when autograd will accumulate into ``.grad``), so
-  its unscaled average plus everyone's scaled new gradients is again exact.
+  at once. The owner scales its own incoming gradient as autograd accumulates it (a tensor
+  hook that acts only when autograd will accumulate into ``.grad``, not in
+  ``autograd.grad``), and its bucket is launched unscaled: the average it already holds
+  plus everyone's scaled new gradients is again exact.
 """
 
 from __future__ import annotations
@@ -38,10 +41,8 @@ from metadist.runtime.world import Group
 
 
 class _State(enum.Enum):
-    IDLE = "idle"  # no accumulating backward since the last step
-    RUNNING = "running"  # the step's first backward is in flight
-    SYNCED = "synced"  # gradients are averaged
-    DIRTY = "dirty"  # a later backward added local gradients; re-sync before step
+    IDLE = "idle"  # no accumulating backward in flight: gradients are synced (or no_sync's)
+    RUNNING = "running"  # a backward is in flight; its buckets launch as they fill
 
 
 @dataclass
@@ -178,9 +179,6 @@ class Reducer:
             for b in self.buckets:
                 b.pending = len(b.params)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if self._state is not _State.RUNNING:
-            self._state = _State.DIRTY
-            return
         bucket = self._bucket_of[p]  # type: ignore[index]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -193,11 +191,12 @@ class Reducer:
         assert node is not None
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            # Only after this step already synced (p.grad holds the owner's average) and only
-            # when autograd is about to accumulate into .grad (not autograd.grad).
-            if self._state in (_State.SYNCED, _State.DIRTY) and will_accumulate(node):
-                return grad * self._scale()
-            return None
+            # Only when autograd is about to accumulate into .grad (not autograd.grad): the
+            # owner's .grad may already hold a reduced average, which must not be scaled again.
+            if not will_accumulate(node):
+                return None
+            scale = self._scale()
+            return torch.zeros_like(grad) if scale == 0.0 else grad * scale
 
         return hook
 
@@ -247,8 +246,7 @@ class Reducer:
             if not b.persistent:
                 p.grad = None  # zero2: another rank owns it; free it at once
         buf[b.numel:].copy_(torch.tensor(had_grad, dtype=buf.dtype))
-        mine = b.owner is not None and b.owner == self._rank
-        if not (mine and self._state is _State.DIRTY):  # an owner's DIRTY grads are pre-scaled
+        if b.owner != self._rank:  # an owner's own gradients arrive pre-scaled
             scale = self._scale()
             grads = buf[:b.numel]
             if scale == 0.0:
@@ -278,21 +276,17 @@ class Reducer:
                 if was_used:
                     p.grad = view
                 # else: no rank had a gradient; p.grad stays as the user left it
-        self._state = _State.SYNCED
+        self._state = _State.IDLE
         self._local_unsynced = False
 
     # ----- the step ----------------------------------------------------------------------
     def sync(self) -> None:
-        """Make gradients globally averaged now (before ``step`` / clipping)."""
-        if self._state is _State.DIRTY or (self._local_unsynced and self._state is not
-                                           _State.RUNNING):
+        """Sync gradients accumulated under ``no_sync`` now (before ``step`` / clipping),
+        if no backward outside it has synced them yet."""
+        if self._local_unsynced and self._state is not _State.RUNNING:
             self._next = 0
             self._launch_in_order(everything=True)
             self._finish()
-
-    def step_done(self) -> None:
-        """The optimizer stepped: the next accumulating backward starts a new step."""
-        self._state = _State.IDLE
 
     def set_sync_enabled(self, enabled: bool) -> bool:
         previous, self._sync_enabled = self._sync_enabled, enabled

@@ -71,10 +71,9 @@ def move_optimizer_state(optimizer: Optimizer) -> None:
 
 
 def hook_reducer(optimizer: Optimizer, reducer: Reducer) -> None:
-    """Sync before ``optimizer.step()`` if a later backward left local gradients; afterwards
-    the next backward starts a new step."""
+    """Sync gradients that ``no_sync`` left local before ``optimizer.step()`` (every other
+    backward has synced by its end)."""
     optimizer.register_step_pre_hook(lambda *_: reducer.sync())
-    optimizer.register_step_post_hook(lambda *_: reducer.step_done())
 
 
 @register("ddp")

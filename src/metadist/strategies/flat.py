@@ -23,7 +23,8 @@ or backward in between can free it, and a graph kept with ``retain_graph`` can r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,35 @@ from metadist.comm.handle import Handle
 from metadist.runtime.world import SELF, Group
 from metadist.strategies.buckets import will_accumulate
 from metadist.strategies.sharded_optim import OptimizerLayout, StateEntry
+
+# A process-wide count, not a context variable: autograd may run a backward on a device thread.
+_reduced_shard_grads = 0
+
+
+@contextmanager
+def reduced_shard_grads() -> Iterator[None]:
+    """Opt in: inside, ``torch.autograd.grad`` with respect to flat shards returns this rank's
+    slice of the gradient averaged over ranks (a collective), not an error."""
+    global _reduced_shard_grads
+    _reduced_shard_grads += 1
+    try:
+        yield
+    finally:
+        _reduced_shard_grads -= 1
+
+
+def _refuse_shard_grad() -> None:
+    raise RuntimeError(
+        "torch.autograd.grad with respect to the model's parameters under zero3/fsdp/hsdp: they "
+        "are "
+        "this rank's flat shards, and their gradient would be this rank's slice of the "
+        "gradient averaged over all ranks, not the gradient of this rank's loss that ddp and "
+        "one process give (a gradient penalty written this way optimises another objective). "
+        "Differentiate with respect to the full parameters instead: params = "
+        "model.full_parameters(); loss = loss_fn(model.functional_forward(params, x), y); "
+        "grads = torch.autograd.grad(loss, list(params.values()), create_graph=True) (wrap "
+        "it in strategy.sync_grads(...) for the gradient of the global loss). To get the "
+        "reduced slice on purpose, call it inside `with model.reduced_shard_grads():`")
 
 
 @dataclass(frozen=True)
@@ -85,6 +115,7 @@ class FlatParam:
         grad_fn = self.shard.view_as(self.shard).grad_fn if self.shard.requires_grad else None
         self.acc_node = grad_fn.next_functions[0][0] if grad_fn is not None else None
         self._handle: Handle | None = None
+        self._filled_from = -1  # the shard's version the full buffer was gathered from
         self._staged: torch.Tensor | None = None
         self.live = 0  # forward graphs (with grad) still to be backpropagated through this buffer
         self.stash: torch.Tensor | None = None  # unsharded gradients under no_sync
@@ -110,10 +141,17 @@ class FlatParam:
     def start_gather(self) -> bool:
         """Launch the all-gather of the full buffer; False (nothing to do) if it is present
         or in flight."""
-        if self.gathered or self._handle is not None:
+        if self._handle is not None:
             return False
-        storage = self.full.untyped_storage()
-        storage.resize_(self.padded * self.full.element_size())
+        if self.gathered:
+            if self._filled_from == self.shard._version:
+                return False
+            # The shard changed since this buffer was filled (an optimizer the strategy never
+            # saw stepped it, or an in-place edit): refill it, never compute on stale values.
+        else:
+            storage = self.full.untyped_storage()
+            storage.resize_(self.padded * self.full.element_size())
+        self._filled_from = self.shard._version
         with torch.no_grad():
             src = self.shard.detach()
             if src.device != self.device or src.dtype != self.compute_dtype:
@@ -193,6 +231,9 @@ class FlatParam:
         """Backward of the unshard: this rank's shard of the mean gradient over ranks.
         ``owned``: of an owned copy, which neither counts as a graph on the buffer nor
         frees it."""
+        accumulating = self.acc_node is not None and will_accumulate(self.acc_node)
+        if not accumulating and not _reduced_shard_grads:
+            _refuse_shard_grad()
         if not owned:
             # at 0 already: a graph kept by retain_graph=True, backpropagated again
             self.live = max(self.live - 1, 0)
@@ -228,7 +269,7 @@ class FlatParam:
         out = g.new_empty(self.shard_size)
         handle = ops.reduce_scatter(out, g, "sum", group=self.group, async_op=True,
                                     input_is_scratch=True)
-        if self.acc_node is not None and will_accumulate(self.acc_node):
+        if accumulating:
             self.coordinator.defer(self, out, handle)  # finished by the next one or at the end
             return None
         self.finish(out, handle)

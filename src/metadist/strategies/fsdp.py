@@ -26,8 +26,9 @@ refuses it). ``functional_forward(params, ...)`` runs the module on any such dic
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,7 +43,13 @@ from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
 from metadist.strategies.base import Strategy, StrategyConfig, register
 from metadist.strategies.ddp import move_optimizer_state
-from metadist.strategies.flat import BackwardCoordinator, FlatLayout, FlatParam, Slot
+from metadist.strategies.flat import (
+    BackwardCoordinator,
+    FlatLayout,
+    FlatParam,
+    Slot,
+    reduced_shard_grads,
+)
 from metadist.strategies.module import (
     DistributedModule,
     explicit_parameters,
@@ -232,7 +239,31 @@ class ShardedModule(DistributedModule):
             self._end_forward()
             self.units[-1].bind()  # the root unit stays gathered through the step
 
+    def _check_shards_in_place(self) -> None:
+        """``torch.func.functional_call(model, dict(model.named_parameters()), ...)`` swaps the
+        shards, which no forward reads (it gathers every rank's own): refuse, never ignore."""
+        swapped = [name for name, shard in self.shards.named_parameters()
+                   if shard is not self.flats[int(name)].shard]
+        if swapped:
+            names = ", ".join("shards." + n for n in swapped[:3]) + (" ..." * (len(swapped) > 3))
+            raise RuntimeError(
+                f"torch.func.functional_call replaced the model's parameters ({names}), which "
+                "under zero3/fsdp/hsdp are this rank's flat shards: a forward gathers "
+                "every rank's shard, so weights given as shards cannot be this rank's (fast) "
+                "weights. Pass full parameters by your module's names: params = "
+                "model.full_parameters(), then model.functional_forward(params, x) or "
+                "torch.func.functional_call(model, {'module.' + n: p for n, p in "
+                "params.items()}, (x,))")
+
+    def reduced_shard_grads(self) -> AbstractContextManager[None]:
+        """Inside, ``torch.autograd.grad`` with respect to this model's shards
+        (``model.parameters()``) returns this rank's slice of the gradient averaged over
+        ranks (a collective) instead of raising. The slices of one shard group add up to
+        the global gradient; nothing else computes this, so it is zero3/hsdp-only code."""
+        return reduced_shard_grads()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_shards_in_place()
         out = super().forward(*args, **kwargs)
         self._end_forward()
         if torch.is_grad_enabled():
@@ -259,6 +290,35 @@ class ShardedModule(DistributedModule):
                 full = flat.owned()  # no hook re-gathers for these graphs: they own a copy
                 out.update((s.fqn, v) for s, v in zip(flat.slots, flat.views(full), strict=True))
         return out
+
+    def plain_module(self) -> nn.Module:
+        """A copy of the user's module whose parameters are the full ones (trainable: from
+        :meth:`full_parameters`, differentiable into the shards; frozen: gathered, detached),
+        its buffers the module's own, and without the units' hooks: running it issues no
+        collective, and a backward through it reduce-scatters into the shards."""
+        full = self.full_parameters()
+        values: dict[str, torch.Tensor] = {}
+        memo: dict[int, Any] = {id(b): b for b in self.module.buffers()}
+        for flat in self.flats:
+            gathered = (None if flat.shard.requires_grad
+                        else flat.views(flat.owned().detach()))
+            for i, slot in enumerate(flat.slots):
+                values[slot.fqn] = full[slot.fqn] if gathered is None else gathered[i]
+                for module, attr in slot.uses:
+                    memo[id(module.__dict__.get(attr))] = None
+        copied = copy.deepcopy(self.module, memo)
+        ours = {handle.id for handle in self._handles}
+        for module in copied.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key in ours & set(hooks):
+                    del hooks[key]
+        for flat in self.flats:
+            for slot in flat.slots:
+                for module, attr in slot.uses:
+                    target = memo[id(module)]
+                    target.__dict__.pop(attr, None)
+                    target._parameters[attr] = values[slot.fqn]
+        return copied
 
     def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
                            **kwargs: Any) -> Any:

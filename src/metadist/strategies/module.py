@@ -92,6 +92,14 @@ class DistributedModule(nn.Module):
         gradients flow through back to what the optimizer steps."""
         return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
 
+    def plain_module(self) -> nn.Module:
+        """A plain module computing what this one computes on this rank, with parameters
+        gradients flow through back to what the optimizer steps: the user's module itself
+        (its parameters current) where every rank holds them whole; a copy built from
+        :meth:`full_parameters` where ranks hold shards. For clones (``module_clone``)."""
+        self.wait_params()
+        return self.module
+
     def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
                            **kwargs: Any) -> Any:
         """Run the module with ``params`` (names as in :meth:`full_parameters`) in place of

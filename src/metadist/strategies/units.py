@@ -66,6 +66,7 @@ class Unit:
         self.grad = False  # the bound views are differentiable (a graph may need them)
         self.graph = False  # this forward's outputs need a backward through the unit
         self.pending = 0  # post-backward nodes on member inputs that have not run yet
+        self._bound: dict[tuple[nn.Module, str], torch.Tensor] = {}  # what bind() last set
 
     def start_gather(self) -> bool:
         """Launch the all-gathers; True if one started (nothing was present or in flight)."""
@@ -77,12 +78,27 @@ class Unit:
 
     def bind(self) -> None:
         """Point the modules' parameter attributes at fresh views of the gathered buffers:
-        one differentiable unshard per buffer, shared by every member that reads it."""
+        one differentiable unshard per buffer, shared by every member that reads it.
+
+        An attribute that holds neither what the last bind put there nor a placeholder was
+        set by the caller (``torch.func.functional_call`` with the user's module's names): the
+        forward runs on it, as it would on a plain module, and a buffer none of whose
+        attributes is left to bind is not gathered at all."""
         for flat in self.flats:
-            for slot, view in zip(flat.slots, flat.views(flat.unsharded(True)), strict=True):
-                for module, attr in slot.uses:
+            uses = [[(module, attr) for module, attr in slot.uses
+                     if self._ours(module.__dict__.get(attr), self._bound.get((module, attr)))]
+                    for slot in flat.slots]
+            if not any(uses):
+                continue
+            for slot_uses, view in zip(uses, flat.views(flat.unsharded(True)), strict=True):
+                for module, attr in slot_uses:
                     module.__dict__[attr] = view
+                    self._bound[(module, attr)] = view
         self.grad = torch.is_grad_enabled()
+
+    @staticmethod
+    def _ours(current: torch.Tensor | None, bound: torch.Tensor | None) -> bool:
+        return current is None or current is bound or current.is_meta
 
     def free(self) -> None:
         for flat in self.flats:

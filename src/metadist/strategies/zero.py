@@ -268,6 +268,17 @@ class _ZeroStrategy(DDPStrategy):
         return ZeroModule(model, reducer, gather, self.config.broadcast_buffers,
                           dict(zip(trainable, owners, strict=True)))
 
+    def _optimizer_needed(self) -> str | None:
+        if self.world.world_size == 1:
+            return super()._optimizer_needed()
+        gradients = ("keeps each gradient only on the rank that owns its parameter, "
+                     if self.shard_gradients else "")
+        return (f"{self.name} {gradients}steps each parameter on its owner rank only and then "
+                "refreshes every rank's copy from the owners, so an optimizer it never saw "
+                "would skip the refresh" + (" and the ranks would drift apart"
+                                            if self.shard_gradients else
+                                            " and keep the whole optimizer state on every rank"))
+
     def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         optimizer = super()._setup_optimizer(module, optimizer)  # moves state, hooks the reducer
         if not isinstance(module, ZeroModule) or module.gather is None:

@@ -10,8 +10,9 @@ Under a strategy, inner loops stay local to each rank (metadist's semantics: onl
 accumulation into ``.grad`` syncs). Bind the optimiser to a per-task
 ``module_clone(model, by="copy")`` under every strategy (under zero3/hsdp the clone holds the
 full parameters, differentiable into the shards), or under ddp, zero1 and zero2 to ``model``
-itself, restoring it with ``recover_state_dict`` before ``optimizer.step()``. Pass ``grad_sync=strategy.sync_grads`` when the inner problem itself is global (e.g.
-unrolled bilevel optimisation over the whole, rank-split, training batch).
+itself, restoring it with ``recover_state_dict`` before ``optimizer.step()``. Pass
+``grad_sync=strategy.sync_grads`` when the inner problem itself is global (e.g. unrolled
+bilevel optimisation over the whole, rank-split, training batch).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Parity harness: train on N ranks through a strategy and on one plain PyTorch process on the
 same global batches; compare parameters, buffers and optimizer state.
 
-Protocol (ARCHITECTURE.md): same seeded model; global batch split into N contiguous equal
+Protocol: same seeded model; global batch split into N contiguous equal
 slices; the reference is one process on the whole batch with a mean loss; fp32 after >= 10
 steps within rtol 1.3e-6 / atol 1e-5.
 """

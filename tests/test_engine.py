@@ -33,7 +33,7 @@ from metadist.meta import (
 )
 from metadist.testing import run_on_ranks
 
-RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (ARCHITECTURE.md)
+RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (tests/parity.py)
 ROOT = Path(__file__).resolve().parent.parent
 D, BATCH = 5, 12  # global batch of both levels, divisible by 2 and 3
 METHODS = ("unrolled", "darts", "neumann", "cg")

@@ -27,7 +27,7 @@ from metadist.meta import (
 )
 from metadist.testing import run_on_ranks
 
-RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (ARCHITECTURE.md)
+RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (tests/parity.py)
 D, N_TRAIN, N_VAL = 5, 24, 12  # divisible by the world sizes 2 and 3
 # Eigenvalues of H at LAM lie in [1.16, 2.95] (checked in _spectrum): well conditioned, so
 # few iterations reach rounding level. Per-rank Hessians (a third of the data) reach 4.55,

@@ -29,7 +29,7 @@ from metadist.meta import (
 )
 from metadist.testing import run_on_ranks
 
-RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (ARCHITECTURE.md)
+RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (tests/parity.py)
 STEPS, TASKS = 3, 3
 SGD_LR, MOMENTUM = 0.05, 0.9
 ADAM_LR, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-8

@@ -384,8 +384,9 @@ def test_schedule_of_a_three_level_problem() -> None:
 
 
 def test_configuration_errors_say_what_to_do() -> None:
-    with pytest.raises(ValueError, match="choose one of: unrolled, darts, neumann, cg"):
-        ProblemConfig(method="reinforce")
+    with pytest.raises(ValueError,
+                       match="choose one of: unrolled, darts, neumann, cg, sama, reinforce"):
+        ProblemConfig(method="magic")
     with pytest.raises(TypeError, match="takes a NeumannConfig"):
         ProblemConfig(method="neumann", hypergrad=CGConfig())
     with pytest.raises(ValueError, match="strategy 'zer2' is not known; choose one of: single"):

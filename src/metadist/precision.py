@@ -33,6 +33,8 @@ from torch.utils._pytree import tree_map
 from metadist.comm import ops
 
 MODES = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+#: Other libraries' names for the same modes (Betty's ``Config(precision=...)``).
+ALIASES = {"fp32": "32-true", "fp16": "16-mixed", "bf16": "bf16-mixed"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,6 +45,15 @@ def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     if value not in DTYPES:
         raise ValueError(f"dtype {value!r} is not known; choose one of: {', '.join(DTYPES)}")
     return DTYPES[value]
+
+
+def canonical(mode: str) -> str:
+    """The mode an alias names (``"fp16"`` -> ``"16-mixed"``); raises on unknown names."""
+    name = ALIASES.get(mode, mode)
+    if name not in MODES:
+        raise ValueError(f"precision {mode!r} is not known; choose one of: "
+                         f"{', '.join((*MODES, *ALIASES))}")
+    return name
 
 
 @functools.cache
@@ -75,9 +86,7 @@ class Precision:
     device_type: str = "cpu"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"precision {self.mode!r} is not known; choose one of: "
-                             f"{', '.join(MODES)}")
+        object.__setattr__(self, "mode", canonical(self.mode))
 
     @property
     def compute_dtype(self) -> torch.dtype:

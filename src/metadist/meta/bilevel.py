@@ -14,12 +14,13 @@ many samples).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from metadist.meta.directional import ReinforceConfig, SamaConfig, adam_scale
 from metadist.meta.hypergrad import (
     CGConfig,
     DartsConfig,
@@ -34,7 +35,7 @@ from metadist.meta.transforms import sgd
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine
 
-LossFn = Callable[[Any, tuple[Tensor, ...]], Tensor]
+LossFn = Callable[[Any, tuple[Tensor, ...]], Any]
 
 
 def weighted(loss: Tensor, share: float) -> Tensor:
@@ -43,36 +44,75 @@ def weighted(loss: Tensor, share: float) -> Tensor:
 
 
 def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor]:
-    """d(upper's loss)/d(upper's parameters) through every ``u2l`` lower problem, averaged
-    over ranks. The direct part is counted once (through the first lower problem)."""
-    # Replicated strategies: the hyperparameters are the module's own leaf parameters (the
-    # upper module then runs its own forward: no rebinding); autograd.grad never accumulates
-    # into them. zero3/hsdp: clones of the gathered parameters, bound explicitly.
-    start = upper.wrapped.full_parameters() if upper.replicated else upper.params(clone=True)
-    names = list(start)
-    lam = tuple(t if upper.replicated else t.requires_grad_() for t in start.values())
-    sync = engine._sync
+    """d(upper's loss)/d(upper's parameters) along every hypergradient path of ``upper``
+    (:attr:`Engine.paths`), averaged over ranks. The direct part is counted once."""
+    names, lam = _hparams(upper)
     total: list[Tensor] | None = None
-    for i, lower_name in enumerate(engine.u2l[upper.name]):
-        lower = engine.problems[lower_name]
-        outer = _outer_fn(engine, upper, lower, names, direct=i == 0)
-        if lower.config.first_order:
-            if i > 0:
-                continue  # no response term, and the direct part is already counted
-            g = torch.autograd.grad(outer(lower.params(), lam), lam, allow_unused=True,
-                                    materialize_grads=True)
-            parts = tuple(sync(g)) if sync is not None else g
-        else:
-            method, config = method_of(lower, upper)
-            # the methods take fresh leaves of these; only gathered zero3 buffers need a copy
-            params = (lower._theta0 if method == "unrolled"
-                      else lower.params(clone=not lower.replicated))
-            parts = hypergradient(method, outer, _inner_fn(engine, upper, lower, names), params,
-                                  lam, config, grad_sync=sync)
+    direct = True  # the first path that reaches upper's loss carries dF/dlam
+    for path in engine.paths[upper.name]:
+        chain = [engine.problems[n] for n in path[1:-1]]
+        if any(p.config.first_order for p in chain):
+            continue  # no response term through a first-order problem
+        # dF/dlam rides on the first path that goes straight back to upper (its first link
+        # is the only one evaluating upper's loss with lam live); otherwise added below.
+        carries = direct and len(chain) == 1
+        parts = path_gradient(engine, upper, chain, names, lam, direct=carries)
+        direct = direct and not carries
+        total = list(parts) if total is None else [a + b for a, b in
+                                                    zip(total, parts, strict=True)]
+    if direct:  # no path carried it: the direct gradient at the current parameters
+        lower = engine.problems[engine.paths[upper.name][0][1]]
+        outer = _loss_fn(engine, upper, lower, upper, names, live=True, scale=True)
+        g = torch.autograd.grad(outer(lower.params(), lam), lam, allow_unused=True,
+                                materialize_grads=True)
+        parts = tuple(engine._sync(g)) if engine._sync is not None else g
         total = list(parts) if total is None else [a + b for a, b in
                                                     zip(total, parts, strict=True)]
     assert total is not None
     return dict(zip(names, total, strict=True))
+
+
+def path_gradient(engine: Engine, upper: Problem, chain: list[Problem], names: list[str],
+                  lam: tuple[Tensor, ...], *, direct: bool) -> tuple[Tensor, ...]:
+    """One path's term: upper's loss depends on ``chain[0]``, whose response depends on
+    ``chain[1]``, ..., the last's on ``upper``. The first link runs its method on upper's
+    loss; the later ones on the linear loss <theta, v> of the vector v the previous link
+    produced, whose hypergradient is exactly that link's response product."""
+    sync = engine._sync
+    v: tuple[Tensor, ...] = ()
+    for i, curr in enumerate(chain):
+        nxt = chain[i + 1] if i + 1 < len(chain) else upper
+        nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
+        if i == 0:
+            outer = _loss_fn(engine, upper, curr, nxt, nxt_names,
+                             live=direct and nxt is upper, scale=True)
+        else:
+            outer = _linear(v, curr)
+        method, config = method_of(curr, nxt)
+        params = (curr._theta0 if method == "unrolled"
+                  else curr.params(clone=not curr.replicated))
+        v = hypergradient(method, outer, _inner_fn(engine, nxt, curr, nxt_names), params,
+                          nxt_lam, config, grad_sync=sync)
+    return v
+
+
+def _linear(v: tuple[Tensor, ...], problem: Problem) -> LossFn:
+    def outer(theta: Any, lam: tuple[Tensor, ...]) -> Tensor:
+        flat = list(theta.values()) if isinstance(theta, dict) else list(theta)
+        return sum(((t * w).sum() for t, w in zip(flat, v, strict=True)),
+                   torch.zeros((), device=v[0].device, dtype=v[0].dtype))
+
+    return outer
+
+
+def _hparams(problem: Problem) -> tuple[list[str], tuple[Tensor, ...]]:
+    """A problem's parameters as hyperparameters: replicated strategies use the module's own
+    leaf parameters (its own forward then needs no rebinding, and autograd.grad never
+    accumulates into them); zero3/hsdp clones of the gathered parameters, bound explicitly."""
+    start = (problem.wrapped.full_parameters() if problem.replicated
+             else problem.params(clone=True))
+    lam = tuple(t if problem.replicated else t.requires_grad_() for t in start.values())
+    return list(start), lam
 
 
 def method_of(lower: Problem, upper: Problem) -> tuple[str, HypergradConfig]:
@@ -85,6 +125,13 @@ def method_of(lower: Problem, upper: Problem) -> tuple[str, HypergradConfig]:
             return "neumann", given or NeumannConfig(alpha=lr)
         case "cg":
             return "cg", given or CGConfig()
+        case "sama":
+            if isinstance(given, SamaConfig) and given.scale is not None:
+                return "sama", given
+            r = given.r if isinstance(given, SamaConfig) else SamaConfig().r
+            return "sama", SamaConfig(r=r, scale=sama_scale(lower))
+        case "reinforce":
+            return "reinforce", given or ReinforceConfig(xi=lr)
         case "unrolled":
             if not lower._record:
                 raise RuntimeError(
@@ -95,19 +142,88 @@ def method_of(lower: Problem, upper: Problem) -> tuple[str, HypergradConfig]:
     raise AssertionError(lower.config.method)  # ProblemConfig validated it
 
 
-def _outer_fn(engine: Engine, upper: Problem, lower: Problem, names: list[str],
-              direct: bool) -> LossFn:
-    def outer(theta: Any, lam: tuple[Tensor, ...]) -> Tensor:
-        # Without the direct part, upper's own calls see lam detached: dF/dlam = 0 here.
-        with engine._bound({lower.name: theta, upper.name: _lam(upper, names, lam, direct)}):
-            loss = weighted(loss_of(upper.training_step(upper.batch), upper.name),
-                            upper.batch_share)
-        scaler = upper.strategy.scaler if upper.strategy is not None else None
+def sama_scale(problem: Problem, sgd_scale: float | None = None) -> dict[str, Tensor]:
+    """SAMA's diagonal preconditioner for every trainable parameter, by name: the derivative
+    of the optimizer's last update with respect to its gradient (times the lr). Adam(W):
+    :func:`~metadist.meta.directional.adam_scale`; SGD: lr * (1 - dampening), or
+    ``sgd_scale`` when given. Collective (sharded optimizer states are consolidated)."""
+    assert problem.strategy is not None
+    full = problem.strategy.optimizer_state_dict(problem.optimizer)
+    assert full is not None
+    params = problem.params()
+    names = list(params)
+    index = [i for g in full["param_groups"] for i in g["params"]]
+    if len(index) != len(names):
+        raise ValueError(f"method 'sama' needs problem {problem.name!r}'s optimizer to step "
+                         f"exactly its {len(names)} trainable parameters, in module order; "
+                         f"it steps {len(index)}")
+    out: dict[str, Tensor] = {}
+    for group in full["param_groups"]:
+        for i in group["params"]:
+            name, state = names[index.index(i)], full["state"].get(i, {})
+            device = params[name].device
+            if "betas" in group:
+                _check_adam(problem, group)
+                scale = (adam_scale(group, {k: t.to(device) for k, t in state.items()
+                                            if isinstance(t, Tensor)})
+                         if "exp_avg_sq" in state  # before the first step: no update yet
+                         else torch.zeros_like(params[name]))
+            elif "momentum" in group:
+                scale = torch.full_like(params[name], _sgd_scale(group) if sgd_scale is None
+                                        else sgd_scale)
+            else:
+                raise ValueError(f"method 'sama' knows the update of SGD, Adam and AdamW; "
+                                 f"problem {problem.name!r} uses another optimizer: choose "
+                                 "'darts', 'neumann' or 'cg' for it")
+            out[name] = scale
+    return out
+
+
+def _sgd_scale(group: Mapping[str, Any]) -> float:
+    """d(update)/d(gradient) of torch's SGD (after its first step), times the lr."""
+    lr, mu, damp = group["lr"], group["momentum"], group.get("dampening", 0.0)
+    if mu == 0:
+        return float(lr)
+    if group.get("nesterov", False):
+        return float(lr * (1 + mu * (1 - damp)))
+    return float(lr * (1 - damp))
+
+
+def _check_adam(problem: Problem, group: Mapping[str, Any]) -> None:
+    decoupled = (isinstance(problem.optimizer, torch.optim.AdamW)
+                 or group.get("decoupled_weight_decay", False))
+    coupled = group.get("weight_decay", 0.0) > 0 and not decoupled
+    if coupled or group.get("amsgrad", False) or group.get("maximize", False):
+        raise ValueError(f"method 'sama' differentiates Adam's plain update; problem "
+                         f"{problem.name!r}'s Adam uses coupled weight_decay, amsgrad or "
+                         "maximize, whose update it does not model: use AdamW (decoupled "
+                         "decay) without amsgrad/maximize, or another method")
+
+
+def record_last_grads(problem: Problem) -> None:
+    """Keep each stepped tensor's gradient in its optimizer state (``last_grad``), as SAMA's
+    Adam preconditioner needs; call right after the step, before zero_grad."""
+    for group in problem.optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and problem.optimizer.state.get(p):
+                problem.optimizer.state[p]["last_grad"] = p.grad.detach().clone()
+
+
+def _loss_fn(engine: Engine, owner: Problem, theta_of: Problem, lam_of: Problem,
+             names: list[str], *, live: bool, scale: bool) -> LossFn:
+    """``owner``'s training loss with ``theta_of`` bound to theta and ``lam_of`` to lam
+    (detached unless ``live``); the others run on parameters no gradient reaches."""
+    def loss(theta: Any, lam: tuple[Tensor, ...]) -> Tensor:
+        with engine._bound({theta_of.name: theta,
+                            lam_of.name: _lam(lam_of, names, lam, live)}):
+            out = weighted(loss_of(owner.training_step(owner.batch), owner.name),
+                           owner.batch_share)
+        scaler = owner.strategy.scaler if scale and owner.strategy is not None else None
         # 16-mixed: a scaled outer loss scales the hypergradient (linear in it), which keeps
         # fp16 products from underflowing; the optimizer's hook unscales and checks it.
-        return scaler.scale(loss) if scaler is not None else loss
+        return scaler.scale(out) if scaler is not None else out
 
-    return outer
+    return loss
 
 
 def _inner_fn(engine: Engine, upper: Problem, lower: Problem, names: list[str]) -> LossFn:
@@ -115,15 +231,30 @@ def _inner_fn(engine: Engine, upper: Problem, lower: Problem, names: list[str]) 
     steps: Iterator[list[tuple[Any, float]]] | None = (
         iter(lower._record) if lower.name in engine._replays else None)
 
-    def inner(theta: Any, lam: tuple[Tensor, ...]) -> Tensor:
+    def inner(theta: Any, lam: tuple[Tensor, ...]) -> Any:
         batches = next(steps) if steps is not None else [(lower.batch, lower.batch_share)]
         with engine._bound({lower.name: theta, upper.name: _lam(upper, names, lam, True)}):
-            losses = [weighted(loss_of(lower.training_step(b), lower.name), w)
-                      for b, w in batches]
+            outs = [lower.training_step(b) for b, _ in batches]
+        if lower.config.method == "reinforce":  # per-sample terms, not a scalar
+            return _samples(outs, [w for _, w in batches], lower.name)
+        losses = [weighted(loss_of(o, lower.name), w) for o, (_, w) in zip(outs, batches,
+                                                                          strict=True)]
         # the mean over an accumulation's micro-batches, as the real step took it
         return sum(losses[1:], losses[0]) / len(losses) if len(losses) > 1 else losses[0]
 
     return inner
+
+
+def _samples(outs: list[Any], shares: list[float], who: str) -> dict[str, Tensor]:
+    out = outs[0]
+    if len(outs) != 1 or not isinstance(out, Mapping):
+        raise TypeError(f"problem {who!r} uses method 'reinforce': its training_step must "
+                        "return a dict with 'loss', 'losses' (each sample's loss) and "
+                        "'log_prob' (each sample's log-probability under its upper "
+                        "problem's distribution)")
+    share = shares[0]
+    return {k: weighted(out[k], share) if k == "log_prob" else out[k]
+            for k in ("losses", "log_prob") if k in out}
 
 
 def _lam(upper: Problem, names: list[str], lam: tuple[Tensor, ...], live: bool

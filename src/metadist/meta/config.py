@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from metadist.meta.directional import ReinforceConfig, SamaConfig
 from metadist.meta.hypergrad import (
     METHODS,
     CGConfig,
@@ -16,6 +17,7 @@ from metadist.meta.hypergrad import (
     UnrolledConfig,
 )
 from metadist.precision import Precision
+from metadist.strategies.base import canonical as canonical_strategy
 
 LOGGERS = ("none", "stdout", "tensorboard", "csv")
 MODES = ("min", "max")
@@ -33,6 +35,10 @@ def method_config_class(method: str) -> type[HypergradConfig]:
             return NeumannConfig
         case "cg":
             return CGConfig
+        case "sama":
+            return SamaConfig
+        case "reinforce":
+            return ReinforceConfig
     raise ValueError(f"hypergradient method {method!r} is not known; choose one of: "
                      f"{', '.join(METHODS)}")
 
@@ -48,6 +54,8 @@ class ProblemConfig:
       (:class:`UnrolledConfig`, ...); ``None`` derives it from this problem's optimizer:
       DARTS' ``xi`` and Neumann's ``alpha`` default to its learning rate, ``unrolled``
       replays its last ``unroll_steps`` steps with ``sgd(lr)``.
+      Not Betty's "darts" (gF - M.v at the current weights): that is ``"sama"`` with the
+      default :class:`SamaConfig` (see docs/meta-learning.md, "Coming from Betty").
     * ``first_order``: drop the response term: upper problems only get their direct gradient
       at this problem's current parameters (first-order DARTS).
     * ``gradient_accumulation``: micro-batches per optimizer step (losses are averaged).
@@ -82,8 +90,8 @@ class ProblemConfig:
         if self.gradient_clipping is not None and self.gradient_clipping <= 0:
             raise ValueError(f"gradient_clipping must be > 0 (or None to disable), got "
                              f"{self.gradient_clipping}")
-        if self.precision is not None:
-            Precision(self.precision)  # raises, listing the valid modes
+        if self.precision is not None:  # raises, listing the valid modes; resolves aliases
+            object.__setattr__(self, "precision", Precision(self.precision).mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +145,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from metadist.strategies.base import available
 
-        if self.strategy not in available():
+        if canonical_strategy(self.strategy) not in available():
             raise ValueError(f"strategy {self.strategy!r} is not known; choose one of: "
                              f"{', '.join(available())}")
         if "precision" in self.strategy_options:
             raise ValueError("set precision with EngineConfig(precision=...) or per problem "
                              "with ProblemConfig(precision=...), not in strategy_options")
-        Precision(self.precision)
+        object.__setattr__(self, "precision", Precision(self.precision).mode)
+        object.__setattr__(self, "strategy", canonical_strategy(self.strategy))
         match self.logger_type:
             case "none" | "stdout" | "tensorboard" | "csv":
                 pass

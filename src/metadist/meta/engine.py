@@ -16,8 +16,10 @@ straight into the ``.grad`` of the tensors the upper problem's optimizer steps (
 parameters under ddp/zero1/zero2, this rank's slice of the flat shards under zero3/hsdp),
 bypassing the strategy's reducer: no collective, nothing averaged twice. Lower problems train
 on plain first-order gradients through ``strategy.backward``, which the reducer averages once.
-Hypergradients pass through one level: for an upper problem, the lower problems of its lower
-problems are held at their current parameters.
+Hypergradients pass through every level: an upper problem's hypergradient is the sum over
+its paths (:attr:`Engine.paths`) of the chained response products, the first link on the
+upper loss with its lower's method, each later link with its own problem's method on the
+vector the previous one produced.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from metadist import checkpoint
 from metadist.comm import ops
-from metadist.meta.bilevel import upper_gradient, weighted
+from metadist.meta.bilevel import record_last_grads, upper_gradient, weighted
 from metadist.meta.config import EngineConfig
 from metadist.meta.loggers import make_logger
 from metadist.meta.problem import Binding, Problem, loss_of
@@ -42,7 +44,8 @@ from metadist.strategies.base import strategy as make_strategy
 
 Dependencies = Mapping[str, Mapping[Problem | str, Sequence[Problem | str] | Problem | str]]
 _UNSET = object()
-_OWN = frozenset({"config", "problems", "world", "leaves", "u2l", "l2u", "global_step",
+_OWN = frozenset({"config", "problems", "world", "leaves", "u2l", "l2u", "paths",
+                  "global_step",
                   "validating", "stopped_early", "last_validation", "logger"})
 
 
@@ -69,8 +72,14 @@ class Engine:
         self._waits = {n: [m for m in self.problems if n in self.l2u[m]] for n in self.problems}
         self._check_graph()
         self.leaves = [p for n, p in self.problems.items() if not self._waits[n]]
+        #: For each problem, its hypergradient paths: [upper, a1, ..., lower, upper] for each
+        #: u2l lower and each l2u route from it up to upper (upper's loss depends on a1,
+        #: a1's response on a2, ..., the lower's on upper).
+        self.paths = {n: [p for lower in self.u2l[n] for p in self._routes(lower, n)]
+                      for n in self.problems}
         self._replays = {n for n, p in self.problems.items() if p.config.method == "unrolled"
-                         and any(n in lows for lows in self.u2l.values())}
+                         and any(n in path[1:-1] for paths in self.paths.values()
+                                 for path in paths)}
         self.world = init()
         self.global_step = 0
         self.validating = False
@@ -130,6 +139,26 @@ class Engine:
                         edges[src].append(dst)
             out.append(edges)
         return out[0], out[1]
+
+    def _routes(self, lower: str, upper: str) -> list[list[str]]:
+        """Every hypergradient path from ``upper`` through ``lower``: the l2u routes from
+        ``lower`` up to ``upper``, reversed, with ``upper`` at both ends."""
+        found: list[list[str]] = []
+
+        def walk(route: list[str]) -> None:
+            for nxt in self.l2u[route[-1]]:
+                if nxt == upper:
+                    found.append([upper, *reversed(route), upper])
+                else:
+                    walk([*route, nxt])
+
+        walk([lower])
+        if not found:
+            raise ValueError(f"dependencies['u2l'] links {upper!r} to {lower!r}, but no "
+                             f"dependencies['l2u'] route leads from {lower!r} up to "
+                             f"{upper!r}; add {upper!r} to dependencies['l2u'][{lower!r}] "
+                             "(or to one of its uppers')")
+        return found
 
     def _check_graph(self) -> None:
         state: dict[str, int] = {}  # 1: on the DFS stack, 2: done
@@ -205,24 +234,31 @@ class Engine:
                                  "parameters; call self(...) or self.module(...) in "
                                  "training_step, outside torch.no_grad()")
             p.last_loss = loss.detach()
-            assert p.strategy is not None
-            if gas > 1:
-                # The reducer weights the accumulated sum by the *last* micro-batch's share;
-                # with ragged batches each micro-batch needs its own, so fold it into the loss
-                # and let the reducer average with 1/N.
-                loss = weighted(loss, p.batch_share) / gas
-                p.strategy.set_batch_weight(1.0, float(p.strategy.world.world_size))
-            with nullcontext() if boundary else p.strategy.no_sync(p.wrapped):
-                # Only this problem's parameters: the others' ran on their own parameters too.
-                p.strategy.backward(loss, inputs=p.trainable())
+            self._plain_backward(p, loss, gas, boundary)
         if boundary:
             self._optimizer_step(p)
+
+    def _plain_backward(self, p: Problem, loss: Tensor, gas: int, boundary: bool) -> None:
+        """``p``'s first-order gradient of one micro-batch's ``loss`` (the mean over this
+        rank's samples), averaged over ranks by the reducer at the accumulation boundary."""
+        assert p.strategy is not None
+        if gas > 1:
+            # The reducer weights the accumulated sum by the *last* micro-batch's share;
+            # with ragged batches each micro-batch needs its own, so fold it into the loss
+            # and let the reducer average with 1/N.
+            loss = weighted(loss, p.batch_share) / gas
+            p.strategy.set_batch_weight(1.0, float(p.strategy.world.world_size))
+        with nullcontext() if boundary else p.strategy.no_sync(p.wrapped):
+            # Only this problem's parameters: the others' ran on their own parameters too.
+            p.strategy.backward(loss, inputs=p.trainable())
 
     def _optimizer_step(self, p: Problem) -> None:
         assert p.strategy is not None
         if p.config.gradient_clipping is not None:
             p.strategy.clip_grad_norm_(p.wrapped, p.config.gradient_clipping)
         p.optimizer.step()
+        if p.config.method == "sama":
+            record_last_grads(p)
         if p.scheduler is not None:
             p.scheduler.step()
         p.optimizer.zero_grad(set_to_none=True)

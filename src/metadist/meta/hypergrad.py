@@ -41,11 +41,12 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from metadist.meta.directional import ReinforceConfig, SamaConfig, reinforce, sama
 from metadist.meta.optim import GradSync
 from metadist.meta.transforms import Transformation, apply_updates, sgd
 
 LossFn = Callable[[Any, tuple[Tensor, ...]], Tensor]
-METHODS = ("unrolled", "darts", "neumann", "cg")
+METHODS = ("unrolled", "darts", "neumann", "cg", "sama", "reinforce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,8 @@ class CGConfig:
                              f"iterations={self.iterations}, tol={self.tol}")
 
 
-HypergradConfig = UnrolledConfig | DartsConfig | NeumannConfig | CGConfig
+HypergradConfig = (UnrolledConfig | DartsConfig | NeumannConfig | CGConfig | SamaConfig
+                   | ReinforceConfig)
 Vec = list[Tensor]
 
 
@@ -297,7 +299,8 @@ def unrolled(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
 
 
 # ----- by name ----------------------------------------------------------------------------------
-C = TypeVar("C", UnrolledConfig, DartsConfig, NeumannConfig, CGConfig)
+C = TypeVar("C", UnrolledConfig, DartsConfig, NeumannConfig, CGConfig, SamaConfig,
+            ReinforceConfig)
 
 
 def _config(method: str, config: HypergradConfig | None, cls: type[C]) -> C | None:
@@ -310,8 +313,9 @@ def _config(method: str, config: HypergradConfig | None, cls: type[C]) -> C | No
 def hypergradient(method: str, outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
                   hparams: Sequence[Tensor] | Tensor, config: HypergradConfig | None = None, *,
                   grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
-    """Dispatch to :func:`unrolled`, :func:`darts`, :func:`neumann` or :func:`cg` by name;
-    ``config`` must be that method's config class (None: its defaults)."""
+    """Dispatch to :func:`unrolled`, :func:`darts`, :func:`neumann`, :func:`cg`,
+    :func:`~metadist.meta.directional.sama` or :func:`~metadist.meta.directional.reinforce`
+    by name; ``config`` must be that method's config class (None: its defaults)."""
     args = (outer_loss_fn, inner_loss_fn, params, hparams)
     match method:
         case "unrolled":
@@ -322,5 +326,10 @@ def hypergradient(method: str, outer_loss_fn: LossFn, inner_loss_fn: LossFn, par
             return neumann(*args, _config(method, config, NeumannConfig), grad_sync=grad_sync)
         case "cg":
             return cg(*args, _config(method, config, CGConfig), grad_sync=grad_sync)
+        case "sama":
+            return sama(*args, _config(method, config, SamaConfig), grad_sync=grad_sync)
+        case "reinforce":
+            return reinforce(*args, _config(method, config, ReinforceConfig),
+                             grad_sync=grad_sync)
     raise ValueError(f"hypergradient method {method!r} is not known; choose one of: "
                      f"{', '.join(METHODS)}")

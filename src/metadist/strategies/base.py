@@ -59,6 +59,11 @@ def available() -> list[str]:
     return sorted(names, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
 
 
+def canonical(name: str) -> str:
+    """The registered name an alias stands for (``"distributed"`` -> ``"ddp"``)."""
+    return _ALIASES.get(name, name)
+
+
 def strategy(name: str, **options: Any) -> Strategy:
     """Build a configured strategy: ``metadist.strategy("ddp", bucket_cap_mb=50)``."""
     key = _ALIASES.get(name, name)
@@ -120,7 +125,8 @@ class StrategyConfig:
     activation_checkpointing: CheckpointPolicy | None = None
 
     def __post_init__(self) -> None:
-        Precision(self.precision)  # validates the name
+        # Validates the name; aliases (Betty's "fp16", "bf16", "fp32") become the mode.
+        object.__setattr__(self, "precision", Precision(self.precision).mode)
         parse_dtype(self.reduce_dtype)
 
 

@@ -76,7 +76,7 @@ def hook_reducer(optimizer: Optimizer, reducer: Reducer) -> None:
     optimizer.register_step_pre_hook(lambda *_: reducer.sync())
 
 
-@register("ddp")
+@register("ddp", "distributed")
 class DDPStrategy(Strategy):
     """Distributed data parallel with metadist's own bucketed, overlapping reducer."""
 

@@ -49,6 +49,17 @@ class DistributedModule(nn.Module):
         self.precision = Precision()
         self._probe: list[torch.Tensor | None] | None = None  # a list: no submodule registration
 
+    def __getattr__(self, name: str) -> Any:
+        # Attributes of the user's module (``model.vocab_size``, ``model.encode(...)``) read
+        # through the wrapper as on a plain module; the wrapper's own come first.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__["_modules"].get("module")
+            if inner is None or name.startswith("_"):
+                raise
+            return getattr(inner, name)
+
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
 

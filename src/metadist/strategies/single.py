@@ -11,7 +11,7 @@ from metadist.strategies.module import DistributedModule
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
-@register("single")
+@register("single", "default")
 class SingleStrategy(Strategy):
     """No distribution: moves the model to the device and otherwise stays out of the way."""
 

@@ -325,7 +325,7 @@ def clip_sharded_grads(grads_of: Sequence[torch.Tensor], max_norm: float,
     return total
 
 
-@register("zero1")
+@register("zero1", "zero")
 class Zero1Strategy(_ZeroStrategy):
     """ZeRO-1: optimizer state sharded; gradients all-reduced; owners refresh parameters."""
 

@@ -1,0 +1,222 @@
+"""Betty's ``betty.engine.Engine`` on metadist's Engine.
+
+Betty's schedule, step for step: leaves step every iteration; a problem whose lower problems
+all finished ``unroll_steps * gradient_accumulation`` micro-steps (after ``warmup_steps``)
+steps next; each step runs ``on_inner_loop_start`` (at a window's start), Betty's loss
+(divided by ``gradient_accumulation``), ``grad_callback``, the optimizer at accumulation
+boundaries (``custom_optimizer_step`` when defined, clipping when ``gradient_clipping`` >
+0), ``param_callback``, and the LR scheduler on *every* micro-step, as Betty does. With
+``roll_back`` a lower problem returns to its window's start after its uppers stepped and
+retakes one step on its last batch.
+
+A DataLoader's ``batch_size`` is per rank, as in Betty's distributed mode: N ranks read the
+global batch of N x batch_size consecutive samples that one process with batch_size
+N x batch_size reads. What differs from Betty, on purpose: every hypergradient piece is
+averaged over ranks (Betty averages only the last one), so N ranks compute exactly what that
+one process computes; validation and early stopping decide on rank 0 and every rank follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from metadist.compat.betty.configs import EngineConfig
+from metadist.compat.betty.hypergradient import upper_gradient
+from metadist.compat.betty.logging import logger as make_logger
+from metadist.compat.betty.problems import IterativeProblem, Problem
+from metadist.meta.bilevel import record_last_grads
+from metadist.meta.config import EarlyStopping
+from metadist.meta.config import EngineConfig as NativeConfig
+from metadist.meta.engine import Engine as NativeEngine
+
+
+def _native(config: EngineConfig) -> NativeConfig:
+    stopping = (EarlyStopping(metric=config.early_stopping_metric,
+                              mode=config.early_stopping_mode,
+                              patience=config.early_stopping_tolerance)
+                if config.early_stopping else None)
+    return NativeConfig(strategy=config.strategy, train_iters=config.train_iters,
+                        valid_step=config.valid_step, early_stopping=stopping,
+                        logger_type="none", log_step=0)
+
+
+class Engine(NativeEngine):
+    """``Engine(problems, config=None, dependencies=None, env=None)``, as Betty's."""
+
+    def __init__(self, problems: Sequence[Problem], config: EngineConfig | None = None,
+                 dependencies: Mapping[str, Any] | None = None, env: Any = None) -> None:
+        self.betty_config = config if config is not None else EngineConfig()
+        self.dependencies = dependencies or {"u2l": {}, "l2u": {}}
+        self.env = env
+        self.train_iters = self.betty_config.train_iters
+        self.valid_step = self.betty_config.valid_step
+        self._roll_back = self.betty_config.roll_back
+        betty_logger = make_logger(self.betty_config.logger_type)
+        self._link(list(problems))
+        for p in problems:
+            p.initialize()
+        super().__init__(list(problems), _native(self.betty_config), self.dependencies)
+        self.logger = betty_logger  # Betty's: log(stats, tag, step) and info/warning
+        self.device = self.world.device
+        for p in problems:
+            p.add_logger(betty_logger)
+            p._roll_back = self._roll_back and bool(p.parents)
+            if env is not None:
+                setattr(env, p.name, p)
+        if env is not None:
+            env.configure_distributed_training({
+                "strategy": self.config.strategy, "backend": self.world.backend,
+                "world_size": self.world.world_size, "rank": self.world.rank,
+                "local_rank": self.world.local_rank})
+            env.configure_device(self.device)
+            env.initialize()
+            for p in problems:
+                p.add_env(env)
+        self._check_methods(list(problems))
+
+    def _link(self, problems: list[Problem]) -> None:
+        """Betty's graph attributes: parents/children from l2u, paths from u2l."""
+        l2u = self.dependencies.get("l2u", {})
+        for lower, uppers in l2u.items():
+            for upper in uppers:
+                lower.add_parent(upper)
+                upper.add_child(lower)
+        for p in problems:
+            p.leaf = not any(p in uppers for uppers in l2u.values())
+
+        def routes(node: Problem, upper: Problem, route: list[Problem]) -> list[list[Problem]]:
+            found: list[list[Problem]] = []
+            for nxt in l2u.get(node, []):
+                if nxt is upper:
+                    found.append([upper, *reversed([*route, node]), upper])
+                else:
+                    found += routes(nxt, upper, [*route, node])
+            return found
+
+        for upper, lowers in self.dependencies.get("u2l", {}).items():
+            for lower in lowers:
+                found = routes(lower, upper, [])
+                if not found:
+                    raise ValueError(f"No path from {lower.name} to {upper.name}: u2l links "
+                                     "them but no l2u route leads from the lower problem up")
+                upper.add_paths(found)
+
+    def _check_methods(self, problems: list[Problem]) -> None:
+        for upper in problems:
+            for path in upper.paths:
+                for curr in path[1:-1]:
+                    if not upper.config.first_order and isinstance(curr, IterativeProblem):
+                        raise ValueError(
+                            f"{upper.name!r} has first_order=False through IterativeProblem "
+                            f"{curr.name!r}: Betty 0.2.1 fails at that problem's first step. "
+                            "For hypergradients through unrolled steps use metadist.meta with "
+                            "ProblemConfig(method='unrolled')")
+                    if curr.config.type in ("neumann", "cg") and curr.paths:
+                        raise ValueError(f"{curr.config.type} method is not supported for "
+                                         f"higher order MLO ({curr.name!r} has its own "
+                                         "upper-to-lower paths); use darts or sama for it")
+
+    # ----- Betty's API --------------------------------------------------------------------------
+    def is_rank_zero(self) -> bool:
+        return self.world.rank == 0
+
+    def train(self) -> None:
+        for p in self.problems.values():
+            p.train()
+
+    def eval(self) -> None:
+        for p in self.problems.values():
+            p.eval()
+
+    def run(self) -> None:
+        self.train()
+        super().run()
+
+    def train_step(self) -> None:
+        for leaf in self.leaves:
+            self._betty_step(leaf, self.global_step)
+
+    # ----- one problem's step ------------------------------------------------------------
+    def _betty_step(self, p: Any, global_step: int | None) -> None:
+        if not p.check_ready():
+            return
+        if p._inner_loop_start:
+            if p.is_implemented("on_inner_loop_start"):
+                p.on_inner_loop_start()
+            p._inner_loop_start = False
+            if p._roll_back:
+                p.cache_states()
+        if p._training:
+            p._count += 1
+        stats = self._descent(p)
+        if p.scheduler is not None and not p._roll_back:
+            p.scheduler.step()
+        log_step = p.config.log_step
+        if log_step > 0 and p._count % log_step == 0 and p.is_rank_zero():
+            p.log(stats, global_step)
+        window = p.config.unroll_steps * p.config.gradient_accumulation
+        done = p._training and p._count % window == 0 and p._count > p.config.warmup_steps
+        if done:
+            for parent in p.parents:
+                parent.ready[parent.children.index(p)] = True
+                self._betty_step(parent, global_step)
+            p._inner_loop_start = True
+        p.ready = [False] * len(p.children)
+        if done:
+            self._after_roll_back(p)
+
+    def _after_roll_back(self, p: Any) -> None:
+        if not (p.check_ready() and p._training):
+            return
+        if p._roll_back:
+            p.recover_states()
+            self._descent(p, p.cur_batch)
+            if p.scheduler is not None:
+                p.scheduler.step()
+            for parent in p.parents:
+                parent.ready[parent.children.index(p)] = True
+                self._after_roll_back(parent)
+        p.ready = [False] * len(p.children)
+
+    def _descent(self, p: Any, batch: Any = None) -> dict[str, Any]:
+        """Betty's one_step_descent: loss, gradient, callbacks, and the optimizer at the
+        accumulation boundary."""
+        if batch is None:
+            p.cur_batch = batch = p.get_batch()
+        p.batch = batch
+        gas = p.config.gradient_accumulation
+        boundary = p.gradient_accumulation_boundary()
+        if p.paths:
+            grads, out = upper_gradient(self, p)
+            p.accumulate_grads({n: g / gas for n, g in grads.items()} if gas > 1 else grads)
+            loss = out["loss"] if isinstance(out, dict) else out
+            stats: dict[str, Any] = {"loss": float(loss.detach())}
+            if isinstance(out, dict):
+                stats.update({k: v for k, v in out.items() if k != "loss"})
+        else:
+            with self._bound({p.name: None}):
+                loss, stats = p.get_loss(batch)
+            if not loss.requires_grad:
+                raise ValueError(f"problem {p.name!r}'s loss does not depend on its module's "
+                                 "parameters; call self(...) or self.module(...) in "
+                                 "training_step, outside torch.no_grad()")
+            self._plain_backward(p, loss * gas, gas, boundary)
+        if p.is_implemented("grad_callback"):
+            p.grad_callback()
+        if boundary:
+            self._optimizer(p)
+            if p.is_implemented("param_callback"):
+                p.param_callback()
+            p.zero_grad()
+        return stats
+
+    def _optimizer(self, p: Any) -> None:
+        if p.config.gradient_clipping > 0.0:
+            p.clip_grad()
+        if p.is_implemented("custom_optimizer_step"):
+            p.custom_optimizer_step()
+            return
+        p.optimizer.step()
+        if p.config.type == "sama":
+            record_last_grads(p)

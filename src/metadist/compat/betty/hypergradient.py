@@ -1,0 +1,97 @@
+"""Betty's hypergradient: the upper loss's direct gradient plus, when the upper problem's
+``first_order`` is True, one term per path [upper, a1, ..., upper]: dF/d(a1's parameters),
+carried down the path by each problem's best-response product (its ``Config.type``).
+
+Each product is one of metadist's methods applied to the linear loss <theta, v>, whose
+hypergradient is exactly that product; every data-dependent piece is synced over ranks, so
+the result is the one-process value of the global batch at any world size. Betty's types:
+
+* ``darts``: -M.v by a central finite difference with eps = darts_alpha / |v| (metadist's
+  ``sama`` with the identity preconditioner; not metadist's ``darts``, DARTS' virtual step).
+* ``sama``: -M.(P v), P the derivative of Adam's last update (times its lr), identity for
+  other optimizers, radius ``sama_adam_alpha``.
+* ``neumann``: -M.(neumann_alpha * sum_k (I - neumann_alpha H)^k v), ``neumann_iterations``.
+* ``cg``: -M.x, x from ``cg_iterations`` conjugate-gradient steps on H x = v.
+* ``reinforce`` (a stub in Betty 0.2.1): metadist's score-function estimator, radius
+  ``darts_alpha``, unscaled like Betty's darts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from metadist.meta.bilevel import _hparams, _inner_fn, _lam, _linear, sama_scale, weighted
+from metadist.meta.directional import ReinforceConfig, SamaConfig
+from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig, hypergradient
+from metadist.meta.problem import loss_of
+
+if TYPE_CHECKING:
+    from metadist.compat.betty.engine import Engine
+    from metadist.compat.betty.problems import Problem
+
+
+def link_method(curr: Problem) -> tuple[str, HypergradConfig]:
+    """metadist's method and config computing Betty's product of ``curr``'s type."""
+    cfg = curr.config
+    match cfg.type:
+        case "darts":
+            return "sama", SamaConfig(r=cfg.darts_alpha)
+        case "sama":
+            return "sama", SamaConfig(r=cfg.sama_adam_alpha,
+                                      scale=sama_scale(curr, sgd_scale=1.0))
+        case "neumann":
+            return "neumann", NeumannConfig(iterations=cfg.neumann_iterations,
+                                            alpha=cfg.neumann_alpha)
+        case "cg":
+            return "cg", CGConfig(iterations=cfg.cg_iterations, tol=0.0)
+        case "reinforce":
+            return "reinforce", ReinforceConfig(xi=1.0, r=cfg.darts_alpha)
+    raise AssertionError(cfg.type)  # Config validated it
+
+
+def upper_gradient(engine: Engine, upper: Problem) -> tuple[dict[str, Tensor], Any]:
+    """(d upper-loss / d upper-parameters by name, synced; what training_step returned)."""
+    names, lam = _hparams(upper)
+    firsts = list(dict.fromkeys(path[1] for path in upper.paths)) if upper.config.first_order \
+        else []
+    live = {p.name: _hparams(p) for p in firsts}
+    bound = {upper.name: _lam(upper, names, lam, True)}
+    bound.update({n: _lam(engine.problems[n], *live[n], True) for n in live})
+    with engine._bound(bound):
+        out = upper.training_step(upper.batch)
+    loss = weighted(loss_of(out, upper.name), upper.batch_share)
+    scaler = upper.strategy.scaler if upper.strategy is not None else None
+    if scaler is not None:
+        loss = scaler.scale(loss)  # as metadist's engine: the optimizer's hook unscales
+    inputs = [*lam, *(t for n in live for t in live[n][1])]
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    unused = [n for n, g in zip(names, grads, strict=False) if g is None]
+    if unused and not upper.config.allow_unused:
+        raise ValueError(f"problem {upper.name!r}: its loss does not depend on parameter(s) "
+                         f"{unused} (Config(allow_unused=False)); use them, or set "
+                         "allow_unused=True")
+    dense = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
+    synced = list(engine._sync(tuple(dense))) if engine._sync is not None else dense
+    total, start = synced[:len(lam)], len(lam)
+    first_v: dict[str, tuple[Tensor, ...]] = {}
+    for n in live:
+        first_v[n] = tuple(synced[start:start + len(live[n][1])])
+        start += len(live[n][1])
+    for path in upper.paths if upper.config.first_order else []:
+        v = first_v[path[1].name]
+        for i in range(1, len(path) - 1):
+            v = _link(engine, upper, names, lam, path[i], path[i + 1], v)
+        total = [a + b for a, b in zip(total, v, strict=True)]
+    return dict(zip(names, total, strict=True)), out
+
+
+def _link(engine: Engine, upper: Problem, names: list[str], lam: tuple[Tensor, ...],
+          curr: Problem, nxt: Problem, v: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
+    method, config = link_method(curr)
+    params = curr.params(clone=not curr.replicated)
+    return hypergradient(method, _linear(v, curr), _inner_fn(engine, nxt, curr, nxt_names),
+                         params, nxt_lam, config, grad_sync=engine._sync)

@@ -1,0 +1,334 @@
+"""Betty's ``betty.problems``: ``Problem``, ``ImplicitProblem``, ``IterativeProblem``.
+
+A Betty problem is metadist's :class:`~metadist.meta.Problem` with Betty's constructor
+(``name, config, module, optimizer, scheduler, train_data_loader, extra_config``), its
+``configure_*`` and ``get_batch`` hooks, its attributes (``leaf``, ``parents``,
+``children``, ``paths``, ``cur_batch``, ``count``, ``device``, ``env``, ...) and its
+callbacks, which :class:`~metadist.compat.betty.engine.Engine` calls where Betty does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+
+from metadist.compat.betty.configs import Config
+from metadist.meta.config import ProblemConfig
+from metadist.meta.problem import Problem as NativeProblem
+from metadist.strategies.base import Strategy
+
+if TYPE_CHECKING:
+    from metadist.meta.engine import Engine as NativeEngine
+
+
+def _betty_optimizer(problem: Problem, optimizer: Optimizer, module: nn.Module) -> Optimizer:
+    """Betty steps ``type(optimizer)(params, **optimizer.defaults)`` with params its
+    ``param_groups()`` hook or all of the module's parameters. The user's object is kept
+    when it already is exactly that (its schedulers stay bound); otherwise it is rebuilt."""
+    hook = getattr(problem, "param_groups", None)
+    groups = list(hook()) if callable(hook) else [{"params": list(module.parameters())}]
+    groups = [g if isinstance(g, dict) else {"params": [g]} for g in groups]
+    wanted = [{**optimizer.defaults, **g, "params": list(g["params"])} for g in groups]
+    have = [{k: v for k, v in g.items() if k in wanted[0]} for g in optimizer.param_groups]
+    same = len(have) == len(wanted) and all(
+        [id(p) for p in h["params"]] == [id(p) for p in w["params"]]
+        and all(h.get(k) == v for k, v in w.items() if k != "params")
+        for h, w in zip(have, wanted, strict=True))
+    if same:
+        return optimizer
+    if problem._scheduler_given is not None:
+        raise ValueError(f"problem {problem._betty_name!r}: Betty rebuilds the optimizer from "
+                         "its defaults over the module's parameters (or param_groups()), "
+                         "which would leave the given scheduler on the old object; build the "
+                         "optimizer on module.parameters() with its settings as defaults")
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
+class Problem(NativeProblem):
+    """Betty's base problem (subclass :class:`ImplicitProblem`, as in Betty)."""
+
+    def __init__(self, name: str, config: Config | None = None, module: nn.Module | None = None,
+                 optimizer: Optimizer | None = None, scheduler: Any = None,
+                 train_data_loader: Any = None, extra_config: Any = None) -> None:
+        # metadist's Problem is built in initialize(), once the configure_* hooks ran.
+        self._betty_name = self.name = name
+        self._betty_config = config if config is not None else Config()
+        self.cfg = extra_config
+        self._user_module = module
+        self._optimizer_given, self._scheduler_given = optimizer, scheduler
+        self._loader_given = train_data_loader
+        self._loaders: list[Any] = []
+        self._iterators: list[Any] = []
+        self.epoch_counter: list[int] = []
+        self.device: torch.device | str | None = None
+        self.env: Any = None
+        self.logger: Any = None
+        self._parents: list[Problem] = []
+        self._children: list[Problem] = []
+        self._paths: list[list[Problem]] = []
+        self._leaf = False
+        self.cur_batch: Any = None
+        self._count = 0
+        self.ready: list[bool] = []
+        self._inner_loop_start = True
+        self._roll_back = False
+        self._cache: tuple[Any, Any] | None = None
+        self._training = True
+
+    # ----- construction (called by the engine) -------------------------------------------------
+    def initialize(self) -> None:
+        """Resolve the configure_* hooks and build metadist's problem from them."""
+        loader = self._loader_given
+        if loader is None and self.is_implemented("configure_train_data_loader"):
+            loader = self.configure_train_data_loader()
+        if loader is None and type(self).get_batch is Problem.get_batch:
+            raise ValueError(f"problem {self._betty_name!r} has no data: pass "
+                             "train_data_loader, implement configure_train_data_loader(), or "
+                             "override get_batch()")
+        self._loaders = [] if loader is None else list(loader if isinstance(loader, tuple)
+                                                         else (loader,))
+        module = self._user_module
+        if module is None and self.is_implemented("configure_module"):
+            module = self.configure_module()
+        if module is None:
+            raise ValueError(f"problem {self._betty_name!r} has no module: pass module= or "
+                             "implement configure_module()")
+        self._user_module = module  # configure_optimizer reads self.module
+        optimizer = self._optimizer_given
+        if optimizer is None and self.is_implemented("configure_optimizer"):
+            optimizer = self.configure_optimizer()
+        if optimizer is None:
+            raise ValueError(f"problem {self._betty_name!r} has no optimizer: pass optimizer= "
+                             "or implement configure_optimizer()")
+        self.optimizer = optimizer  # configure_scheduler reads self.optimizer
+        scheduler = self._scheduler_given
+        if scheduler is None and self.is_implemented("configure_scheduler"):
+            scheduler = self.configure_scheduler()
+        optimizer = _betty_optimizer(self, optimizer, module)
+        NativeProblem.__init__(self, self._betty_name, module, optimizer, scheduler, None,
+                               cast(ProblemConfig, self._betty_config))
+        self.ready = [False] * len(self._children)
+
+    def attach(self, engine: NativeEngine, strategy: Strategy, seed: int) -> None:
+        super().attach(engine, strategy, seed)
+        self.device = strategy.device
+        self._loaders = [strategy.setup_dataloader(x, seed=seed) if isinstance(x, DataLoader)
+                         else x for x in self._loaders]
+        self._iterators = [iter(x) for x in self._loaders]
+        self.epoch_counter = [0] * len(self._loaders)
+
+    # ----- Betty's attributes -----------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        if "_module" not in self.__dict__:  # before initialize(): what the user gave
+            return cast(nn.Module, self._user_module)
+        return NativeProblem.module.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @module.setter
+    def module(self, value: nn.Module) -> None:
+        if "_module" in self.__dict__:
+            raise AttributeError(f"problem {self._betty_name!r} is set up; its module cannot "
+                                 "be replaced (build a new problem and engine)")
+        self._user_module = value
+
+    @property  # type: ignore[override]
+    def config(self) -> Config:
+        """Betty's Config of this problem (metadist's engine reads it through its
+        ``method``, ``unroll_steps``, ``gradient_accumulation`` and ``precision``)."""
+        return self._betty_config
+
+    @config.setter
+    def config(self, value: Any) -> None:
+        if value is not self._betty_config:
+            raise AttributeError("a Betty problem's config is set by its constructor")
+
+    @property
+    def leaf(self) -> bool:
+        return self._leaf
+
+    @leaf.setter
+    def leaf(self, value: bool) -> None:
+        self._leaf = value
+
+    @property
+    def parents(self) -> list[Problem]:
+        return self._parents
+
+    @property
+    def children(self) -> list[Problem]:
+        return self._children
+
+    @property
+    def paths(self) -> list[list[Problem]]:
+        return self._paths
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def add_child(self, problem: Problem) -> None:
+        assert problem not in self._children
+        self._children.append(problem)
+
+    def add_parent(self, problem: Problem) -> None:
+        assert problem not in self._parents
+        self._parents.append(problem)
+
+    def add_paths(self, paths: Iterable[list[Problem]]) -> None:
+        self._paths.extend(paths)
+
+    def add_logger(self, logger: Any) -> None:
+        if self.logger is None:
+            self.logger = logger
+
+    def add_env(self, env: Any) -> None:
+        if self.env is None:
+            self.env = env
+
+    def is_implemented(self, fn_name: str) -> bool:
+        return callable(getattr(type(self), fn_name, None))
+
+    def is_rank_zero(self) -> bool:
+        return self.strategy is None or self.strategy.world.rank == 0
+
+    def check_ready(self) -> bool:
+        return all(self.ready)
+
+    def gradient_accumulation_boundary(self) -> bool:
+        return self._count % self.config.gradient_accumulation == 0
+
+    def parameters(self) -> list[Tensor]:
+        return list(self.module.parameters())
+
+    def trainable_parameters(self) -> list[Tensor]:
+        """The tensors this problem's optimizer steps (this rank's shards under zero3)."""
+        return self.trainable()
+
+    def meta_trainable_parameters(self) -> list[Tensor]:
+        return self.trainable_parameters()
+
+    def train(self) -> None:
+        self._training = True
+        self.module.train()
+
+    def eval(self) -> None:
+        self._training = False
+        self.module.eval()
+
+    # ----- data -------------------------------------------------------------------------------
+    def get_batch(self) -> Any:
+        """The next batch of every loader (one loader: its batch), on this problem's device."""
+        batches = tuple(self.get_batch_single_loader(i) for i in range(len(self._loaders)))
+        return batches[0] if len(batches) == 1 else batches
+
+    def get_batch_single_loader(self, idx: int) -> Any:
+        try:
+            batch = next(self._iterators[idx])
+        except StopIteration:
+            if idx == 0 and self.is_implemented("epoch_callback"):
+                self.epoch_callback()
+            self.epoch_counter[idx] += 1
+            self._iterators[idx] = iter(self._loaders[idx])  # the next epoch's order
+            batch = next(self._iterators[idx])
+        assert self.strategy is not None
+        self.batch_share = self.strategy.grad_scale() * self.strategy.world.world_size
+        if isinstance(batch, dict):
+            return {k: v.to(self.device) if isinstance(v, Tensor) else v
+                    for k, v in batch.items()}
+        return tuple(v.to(self.device) if isinstance(v, Tensor) else v for v in batch)
+
+    def training_step_exec(self, batch: Any) -> Any:
+        return self.training_step(batch)  # the strategy's forward applies the precision
+
+    def get_loss(self, batch: Any) -> tuple[Tensor, dict[str, Any]]:
+        """(loss / gradient_accumulation, {"loss": float, other returned metrics})."""
+        out = self.training_step_exec(batch)
+        loss = out["loss"] if isinstance(out, dict) else out
+        stats: dict[str, Any] = {"loss": loss.item()}
+        if isinstance(out, dict):
+            stats.update({k: v for k, v in out.items() if k != "loss"})
+        return loss / self.config.gradient_accumulation, stats
+
+    # ----- gradients and state ------------------------------------------------------------------
+    def set_grads(self, params: Iterable[Tensor], grads: Iterable[Tensor | None]) -> None:
+        for p, g in zip(params, grads, strict=False):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
+
+    def zero_grad(self) -> None:
+        for p in self.trainable_parameters():
+            p.grad = None
+
+    def clip_grad(self) -> None:
+        assert self.strategy is not None
+        self.strategy.clip_grad_norm_(self.wrapped, self.config.gradient_clipping)
+
+    def synchronize_params(self, params: Any = None, all_reduce: bool = False) -> None:
+        """A no-op: every strategy keeps the replicas equal by construction."""
+
+    def get_opt_param_group_for_param(self, param: Tensor) -> dict[str, Any] | None:
+        for group in self.optimizer.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        return None
+
+    def get_opt_state_for_param(self, param: Tensor) -> Any:
+        return self.optimizer.state[param]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Module and optimizer (plain single-process format; collective), scheduler, scaler."""
+        assert self.strategy is not None
+        out = {"module": self.wrapped.state_dict(),
+               "optimizer": self.strategy.optimizer_state_dict(self.optimizer)}
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        if self.strategy.scaler is not None:
+            out["scaler"] = self.strategy.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        assert self.strategy is not None
+        self.wrapped.load_state_dict(state_dict["module"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.scheduler is not None and "scheduler" in state_dict:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+        if self.strategy.scaler is not None and "scaler" in state_dict:
+            self.strategy.scaler.load_state_dict(state_dict["scaler"])
+
+    def cache_states(self) -> None:
+        """roll_back: keep the module's and optimizer's state at the unroll window's start."""
+        self._cache = (copy.deepcopy(self.wrapped.state_dict()),
+                       copy.deepcopy(self.optimizer.state_dict()))
+
+    def recover_states(self) -> None:
+        assert self._cache is not None
+        module_state, optimizer_state = self._cache
+        self.wrapped.load_state_dict(module_state)
+        self.optimizer.load_state_dict(optimizer_state)
+        self._cache = None
+
+    def log(self, stats: dict[str, Any], global_step: int | None) -> None:
+        text = " || ".join(f"{k}: {float(v) if isinstance(v, Tensor) else v}"
+                           for k, v in stats.items())
+        where = "" if global_step is None else f"[Global Step {global_step}] "
+        self.logger.info(f'[Problem "{self._betty_name}"] {where}[Local Step {self._count}] '
+                         f"{text}")
+        local = global_step is None or self.config.log_local_step
+        self.logger.log(stats, tag=self._betty_name, step=self._count if local else global_step)
+
+
+class ImplicitProblem(Problem):
+    """Betty's problem whose module and optimizer are plain torch objects."""
+
+
+class IterativeProblem(Problem):
+    """Betty's problem meant for hypergradients through its unrolled updates (an upper
+    problem with ``first_order=False``). Betty 0.2.1 fails at this problem's first optimizer
+    step, so no Betty program computes that; here the engine refuses it with what to use
+    instead, and otherwise it behaves as :class:`ImplicitProblem`."""

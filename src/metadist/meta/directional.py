@@ -1,0 +1,181 @@
+"""Hypergradients from one directional finite difference at the current inner iterate.
+
+Both methods have the signature of :mod:`metadist.meta.hypergrad`'s methods and, like them,
+sync every data-dependent quantity through ``grad_sync``, so the result is the global-batch
+value on every rank.
+
+* ``sama``: gF_lam - M.(P v), v = dF/dtheta, with the mixed product by a central finite
+  difference, (dG/dlam(w + eps Pv) - dG/dlam(w - eps Pv)) / (2 eps), eps = r / |Pv|. ``P``
+  (``SamaConfig.scale``) is the diagonal derivative of the inner optimizer's last update with
+  respect to its gradient (:func:`adam_scale` for Adam, the learning rate for SGD), which
+  makes the response that of one real optimizer step; ``scale=None`` is P = I, the
+  "gF - M.v" approximation (an identity inverse Hessian).
+* ``reinforce``: the same response for inner losses that are not differentiable in the
+  hyperparameters, because they reach them only through samples drawn from a distribution
+  the hyperparameters define. The score-function estimator
+  -xi * grad_lam mean_i[d_i log p_lam(z_i)], d_i = v . dg_i/dtheta (each sample's directional
+  derivative, by the same finite difference), is unbiased for -xi * M.v of the expected
+  inner loss. The inner loss function returns a mapping with ``"losses"`` (per sample, shape
+  ``(B,)``) and ``"log_prob"`` (log p_lam(z_i) of each sample, differentiable in lam).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from metadist.meta.optim import GradSync
+
+LossFn = Callable[[Any, tuple[Tensor, ...]], Any]
+_TINY = 1e-15  # keeps eps finite when the direction vanishes
+
+
+@dataclasses.dataclass(frozen=True)
+class SamaConfig:
+    """``r``: the finite difference's radius (eps = r / |P v|); ``scale``: the diagonal
+    preconditioner P as a pytree shaped like ``params`` (None: the identity)."""
+
+    r: float = 1.0
+    scale: Any = None
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ValueError(f"SamaConfig needs r > 0, got r={self.r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReinforceConfig:
+    """``xi``: the inner learning rate the response is scaled by; ``r``: the finite
+    difference's radius for the per-sample directional derivatives (eps = r / |v|)."""
+
+    xi: float = 1.0
+    r: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.xi < 0 or self.r <= 0:
+            raise ValueError(f"ReinforceConfig needs xi >= 0 and r > 0, got xi={self.xi}, "
+                             f"r={self.r}")
+
+
+def adam_scale(group: Mapping[str, Any], state: Mapping[str, Tensor]) -> Tensor:
+    """d(update)/d(gradient) of Adam's last step, elementwise and times the learning rate
+    (bias correction left out; ``state["last_grad"]`` is the gradient that step used)."""
+    beta1, beta2 = group["betas"]
+    eps, m, v = group["eps"], state["exp_avg"], state["exp_avg_sq"]
+    g = state.get("last_grad", torch.zeros_like(m))
+    with torch.no_grad():
+        m_old = (m - (1 - beta1) * g) / beta1 if beta1 != 0 else torch.zeros_like(m)
+        v_old = (v - (1 - beta2) * g * g) / beta2
+        scale = (1 - beta1) * beta2 * v_old - beta1 * (1 - beta2) * g * m_old
+        out: Tensor = scale / (v.sqrt() + eps) ** 3 * group["lr"]
+        return out
+
+
+def _flat(params: Any) -> tuple[list[Tensor], Any]:
+    leaves, spec = tree_flatten(params)
+    if not leaves or not all(isinstance(p, Tensor) for p in leaves):
+        raise TypeError("params must be a non-empty tuple/dict (pytree) of tensors")
+    return [p.detach().requires_grad_(True) for p in leaves], spec
+
+
+def _lam(hparams: Sequence[Tensor] | Tensor) -> tuple[Tensor, ...]:
+    lam = (hparams,) if isinstance(hparams, Tensor) else tuple(hparams)
+    if not lam or not all(isinstance(h, Tensor) and h.requires_grad for h in lam):
+        raise ValueError("hparams must be a non-empty tuple of tensors with requires_grad=True")
+    return lam
+
+
+def _sync(grad_sync: GradSync | None, tensors: Sequence[Tensor]) -> list[Tensor]:
+    return list(tensors) if grad_sync is None else list(grad_sync(tuple(tensors)))
+
+
+def _grad(out: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    return torch.autograd.grad(out, list(inputs), allow_unused=True, materialize_grads=True)
+
+
+def _norm(v: Sequence[Tensor]) -> float:
+    return float(torch.sqrt(sum((x.double() ** 2).sum() for x in v)))  # type: ignore[arg-type]
+
+
+def _shifted(theta: list[Tensor], v: Sequence[Tensor], eps: float) -> tuple[list[Tensor], ...]:
+    with torch.no_grad():
+        return ([p + eps * d for p, d in zip(theta, v, strict=True)],
+                [p - eps * d for p, d in zip(theta, v, strict=True)])
+
+
+def outer_grads(outer_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
+                grad_sync: GradSync | None) -> tuple[list[Tensor], list[Tensor]]:
+    """(dF/dtheta, dF/dlam) at ``theta``, synced together."""
+    f = outer_loss_fn(tree_unflatten(theta, spec), lam)
+    both = _sync(grad_sync, _grad(f, [*theta, *lam]))
+    return both[:len(theta)], both[len(theta):]
+
+
+def mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
+             w: Sequence[Tensor], r: float, grad_sync: GradSync | None) -> list[Tensor]:
+    """M.w ~ (dG/dlam(theta + eps w) - dG/dlam(theta - eps w)) / (2 eps), eps = r / |w|
+    (both sides synced in one collective)."""
+    eps = r / (_norm(w) + _TINY)
+    plus, minus = _shifted(theta, w, eps)
+    g_plus = _grad(inner_loss_fn(tree_unflatten(plus, spec), lam), lam)
+    g_minus = _grad(inner_loss_fn(tree_unflatten(minus, spec), lam), lam)
+    both = _sync(grad_sync, [*g_plus, *g_minus])
+    n = len(lam)
+    return [(gp - gm) / (2 * eps) for gp, gm in zip(both[:n], both[n:], strict=True)]
+
+
+def sama(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+         hparams: Sequence[Tensor] | Tensor, config: SamaConfig | None = None, *,
+         grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """gF_lam - M.(P v) at the current ``params`` (module docstring)."""
+    cfg = config or SamaConfig()
+    theta, spec = _flat(params)
+    lam = _lam(hparams)
+    v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
+    if cfg.scale is not None:
+        scale, _ = tree_flatten(cfg.scale)
+        v = [s.to(x.dtype) * x for s, x in zip(scale, v, strict=True)]
+    if _norm(v) == 0:
+        return tuple(d.detach() for d in direct)
+    mixed = mixed_fd(inner_loss_fn, theta, spec, lam, v, cfg.r, grad_sync)
+    return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
+
+
+def _samples(out: Any, which: str) -> tuple[Tensor, Tensor]:
+    if not isinstance(out, Mapping) or "losses" not in out or "log_prob" not in out:
+        raise TypeError(f"reinforce: the {which} inner loss must return a mapping with "
+                        "'losses' (each sample's loss, shape (B,)) and 'log_prob' (each "
+                        "sample's log-probability under the hyperparameters' distribution), "
+                        f"got {type(out).__name__}")
+    losses, log_prob = out["losses"], out["log_prob"]
+    if losses.shape != log_prob.shape or losses.dim() != 1:
+        raise ValueError(f"reinforce: 'losses' {tuple(losses.shape)} and 'log_prob' "
+                         f"{tuple(log_prob.shape)} must both have shape (B,)")
+    return losses, log_prob
+
+
+def reinforce(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+              hparams: Sequence[Tensor] | Tensor, config: ReinforceConfig | None = None, *,
+              grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """gF_lam - xi * (score-function estimate of M.v) at the current ``params``."""
+    cfg = config or ReinforceConfig()
+    theta, spec = _flat(params)
+    lam = _lam(hparams)
+    v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
+    norm = _norm(v)
+    if norm == 0 or cfg.xi == 0:
+        return tuple(d.detach() for d in direct)
+    eps = cfg.r / (norm + _TINY)
+    plus, minus = _shifted(theta, v, eps)
+    with torch.no_grad():
+        l_plus, _ = _samples(inner_loss_fn(tree_unflatten(plus, spec), lam), "shifted")
+        l_minus, _ = _samples(inner_loss_fn(tree_unflatten(minus, spec), lam), "shifted")
+    d = (l_plus - l_minus) / (2 * eps)
+    _, log_prob = _samples(inner_loss_fn(tree_unflatten(theta, spec), lam), "current")
+    score = _sync(grad_sync, _grad((d.detach() * log_prob).mean(), lam))
+    return tuple((g - cfg.xi * s).detach() for g, s in zip(direct, score, strict=True))

@@ -63,8 +63,17 @@ def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor]:
     if direct:  # no path carried it: the direct gradient at the current parameters
         lower = engine.problems[engine.paths[upper.name][0][1]]
         outer = _loss_fn(engine, upper, lower, upper, names, live=True, scale=True)
-        g = torch.autograd.grad(outer(lower.params(), lam), lam, allow_unused=True,
-                                materialize_grads=True)
+        loss = outer(lower.params(), lam)
+        if not loss.requires_grad and total is None:
+            first = [n for path in engine.paths[upper.name] for n in path[1:-1]
+                     if engine.problems[n].config.first_order]
+            raise ValueError(
+                f"problem {upper.name!r}'s loss reaches its parameters only through its lower "
+                f"problems, and ProblemConfig(first_order=True) on {sorted(set(first))} drops "
+                "that response: its hypergradient would always be zero. Remove first_order="
+                "True there (Betty's first_order is another setting: it sits on the upper "
+                "problem, and True keeps the response)")
+        g = torch.autograd.grad(loss, lam, allow_unused=True, materialize_grads=True)
         parts = tuple(engine._sync(g)) if engine._sync is not None else g
         total = list(parts) if total is None else [a + b for a, b in
                                                     zip(total, parts, strict=True)]

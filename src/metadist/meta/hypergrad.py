@@ -70,7 +70,8 @@ class DartsConfig:
     product by a central finite difference, (dG/dlam(w + eps v) - dG/dlam(w - eps v)) /
     (2 eps), eps = r / |v|. It is the exact derivative of one unrolled SGD step up to the
     finite difference (exact when G is quadratic in w). ``first_order`` (or ``xi=0``) keeps
-    gF_lam(w') only."""
+    gF_lam(w') only. Not Betty's "darts", which is gF - M.v at w with no virtual step and
+    no xi: that is ``method="sama"`` with the default :class:`SamaConfig` here."""
 
     xi: float = 0.01
     r: float = 0.01
@@ -167,10 +168,11 @@ def _outer_grads(outer_loss_fn: LossFn, theta: Vec, spec: Any, lam: tuple[Tensor
 
 
 # ----- implicit methods ------------------------------------------------------------------------
-def _implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-              hparams: Sequence[Tensor] | Tensor, grad_sync: GradSync | None,
-              solve: Callable[[Callable[[Vec], Vec], Vec], Vec]) -> tuple[Tensor, ...]:
-    """gF_lam - M.inv(H) gF_theta at the inner solution, ``solve(hvp, v) ~ inv(H) v``."""
+def implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+             hparams: Sequence[Tensor] | Tensor, grad_sync: GradSync | None,
+             solve: Callable[[Callable[[Vec], Vec], Vec], Vec]) -> tuple[Tensor, ...]:
+    """gF_lam - M.inv(H) gF_theta at the inner solution, ``solve(hvp, v) ~ inv(H) v``
+    (``hvp(w)`` is the synced H.w): the frame :func:`neumann` and :func:`cg` fill in."""
     theta, spec, lam = _prepare(params, hparams)
     v, direct = _outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
     inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
@@ -211,7 +213,7 @@ def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
             total = [s + t for s, t in zip(total, term, strict=True)]
         return [cfg.alpha * s for s in total]
 
-    return _implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
+    return implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
 
 
 def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
@@ -244,7 +246,7 @@ def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
             p = [ri + (rr / rr_old) * pi for ri, pi in zip(r, p, strict=True)]
         return x
 
-    return _implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
+    return implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
 
 
 # ----- DARTS -------------------------------------------------------------------------------------

@@ -58,7 +58,15 @@ class DistributedModule(nn.Module):
             inner = self.__dict__["_modules"].get("module")
             if inner is None or name.startswith("_"):
                 raise
-            return getattr(inner, name)
+            value = getattr(inner, name)
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                # zero3/hsdp: between forwards the user's module holds placeholders, and a
+                # read or an in-place write (``.data.zero_()``) would silently do nothing.
+                raise RuntimeError(
+                    f"{name!r} of the set-up module is sharded across ranks and has no values "
+                    f"between forwards; read it with model.full_parameters()[{name!r}] and "
+                    "change it with model.load_state_dict({...}) (every rank)")
+            return value
 
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""

@@ -62,11 +62,6 @@ class Config:
             raise ValueError("Config(darts_multitask/sama_multitask=True) leaves the lower "
                              "problem's parameters moved by the finite difference after each "
                              "hypergradient; it is not supported: leave it False")
-        if self.cg_iterations > 1 and self.cg_alpha != 1.0:
-            raise ValueError(f"Config(cg_alpha={self.cg_alpha}) with cg_iterations="
-                             f"{self.cg_iterations}: Betty divides every CG step size by "
-                             "cg_alpha, which is not conjugate gradient; use cg_alpha=1.0 (the "
-                             "same result at cg_iterations=1) or type='neumann'")
         for name in ("unroll_steps", "gradient_accumulation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Config({name}={getattr(self, name)}) must be >= 1")

@@ -75,32 +75,47 @@ class Engine(NativeEngine):
                 p.add_env(env)
         self._check_methods(list(problems))
 
+    # ----- the graph, with Betty's method names --------------------------------------------------
     def _link(self, problems: list[Problem]) -> None:
-        """Betty's graph attributes: parents/children from l2u, paths from u2l."""
-        l2u = self.dependencies.get("l2u", {})
-        for lower, uppers in l2u.items():
+        self.problems_list = problems
+        self.leaves_list: list[Problem] = []
+        self.parse_dependency()
+
+    def check_leaf(self, problem: Problem) -> bool:
+        """A leaf is no problem's upper (it steps every iteration)."""
+        return not any(problem in uppers for uppers in self.dependencies.get("l2u", {}).values())
+
+    def find_paths(self, src: Problem, dst: Problem) -> list[list[Problem]]:
+        """Every hypergradient path [dst, ..., src, dst] along l2u routes from src up to
+        dst (raises if there is none)."""
+        results: list[list[Problem]] = []
+        self.dfs(src, dst, [src], results)
+        if not results:
+            raise ValueError(f"No path from {src.name} to {dst.name}: u2l links them but no "
+                             "l2u route leads from the lower problem up to the upper one")
+        return [[*reversed(route), dst] for route in results]
+
+    def dfs(self, src: Problem, dst: Problem, path: list[Problem],
+            results: list[list[Problem]]) -> None:
+        if src is dst and len(path) > 1:
+            results.append(list(path))
+            return
+        for nxt in self.dependencies.get("l2u", {}).get(src, []):
+            self.dfs(nxt, dst, [*path, nxt], results)
+
+    def parse_dependency(self) -> None:
+        """Paths from u2l, parents and children from l2u, and the leaves."""
+        for upper, lowers in self.dependencies.get("u2l", {}).items():
+            for lower in lowers:
+                upper.add_paths(self.find_paths(lower, upper))
+        for lower, uppers in self.dependencies.get("l2u", {}).items():
             for upper in uppers:
                 lower.add_parent(upper)
                 upper.add_child(lower)
-        for p in problems:
-            p.leaf = not any(p in uppers for uppers in l2u.values())
-
-        def routes(node: Problem, upper: Problem, route: list[Problem]) -> list[list[Problem]]:
-            found: list[list[Problem]] = []
-            for nxt in l2u.get(node, []):
-                if nxt is upper:
-                    found.append([upper, *reversed([*route, node]), upper])
-                else:
-                    found += routes(nxt, upper, [*route, node])
-            return found
-
-        for upper, lowers in self.dependencies.get("u2l", {}).items():
-            for lower in lowers:
-                found = routes(lower, upper, [])
-                if not found:
-                    raise ValueError(f"No path from {lower.name} to {upper.name}: u2l links "
-                                     "them but no l2u route leads from the lower problem up")
-                upper.add_paths(found)
+        for p in self.problems_list:
+            p.leaf = self.check_leaf(p)
+            if p.leaf:
+                self.leaves_list.append(p)
 
     def _check_methods(self, problems: list[Problem]) -> None:
         for upper in problems:
@@ -121,6 +136,15 @@ class Engine(NativeEngine):
     def is_rank_zero(self) -> bool:
         return self.world.rank == 0
 
+    def is_implemented(self, fn_name: str) -> bool:
+        return callable(getattr(self, fn_name, None))
+
+    def do_validation(self) -> bool:
+        return self.is_implemented("validation") and self.is_rank_zero()
+
+    def cleanup(self) -> None:
+        """Nothing to tear down: the process group belongs to the launcher."""
+
     def train(self) -> None:
         for p in self.problems.values():
             p.train()
@@ -132,6 +156,7 @@ class Engine(NativeEngine):
     def run(self) -> None:
         self.train()
         super().run()
+        self.cleanup()
 
     def train_step(self) -> None:
         for leaf in self.leaves:

@@ -11,13 +11,16 @@ the result is the one-process value of the global batch at any world size. Betty
 * ``sama``: -M.(P v), P the derivative of Adam's last update (times its lr), identity for
   other optimizers, radius ``sama_adam_alpha``.
 * ``neumann``: -M.(neumann_alpha * sum_k (I - neumann_alpha H)^k v), ``neumann_iterations``.
-* ``cg``: -M.x, x from ``cg_iterations`` conjugate-gradient steps on H x = v.
+* ``cg``: -M.x, x from Betty 0.2.1's ``cg_iterations`` steps on H x = v (:func:`_betty_cg`:
+  step sizes divided by ``cg_alpha``, directions from the previous residual; textbook CG
+  only at one iteration). metadist's own ``method="cg"`` is textbook CG.
 * ``reinforce`` (a stub in Betty 0.2.1): metadist's score-function estimator, radius
   ``darts_alpha``, unscaled like Betty's darts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,7 +28,14 @@ from torch import Tensor
 
 from metadist.meta.bilevel import _hparams, _inner_fn, _lam, _linear, sama_scale, weighted
 from metadist.meta.directional import ReinforceConfig, SamaConfig
-from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig, hypergradient
+from metadist.meta.hypergrad import (
+    CGConfig,
+    HypergradConfig,
+    NeumannConfig,
+    Vec,
+    hypergradient,
+    implicit,
+)
 from metadist.meta.problem import loss_of
 
 if TYPE_CHECKING:
@@ -45,7 +55,7 @@ def link_method(curr: Problem) -> tuple[str, HypergradConfig]:
         case "neumann":
             return "neumann", NeumannConfig(iterations=cfg.neumann_iterations,
                                             alpha=cfg.neumann_alpha)
-        case "cg":
+        case "cg":  # run by _betty_cg below; the config only names the method
             return "cg", CGConfig(iterations=cfg.cg_iterations, tol=0.0)
         case "reinforce":
             return "reinforce", ReinforceConfig(xi=1.0, r=cfg.darts_alpha)
@@ -93,5 +103,33 @@ def _link(engine: Engine, upper: Problem, names: list[str], lam: tuple[Tensor, .
     nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
     method, config = link_method(curr)
     params = curr.params(clone=not curr.replicated)
-    return hypergradient(method, _linear(v, curr), _inner_fn(engine, nxt, curr, nxt_names),
-                         params, nxt_lam, config, grad_sync=engine._sync)
+    outer, inner = _linear(v, curr), _inner_fn(engine, nxt, curr, nxt_names)
+    if method == "cg":
+        solve = _betty_cg(curr.config.cg_iterations, curr.config.cg_alpha)
+        return implicit(outer, inner, params, nxt_lam, engine._sync, solve)
+    return hypergradient(method, outer, inner, params, nxt_lam, config, grad_sync=engine._sync)
+
+
+def _betty_cg(iterations: int, alpha: float) -> Callable[[Callable[[Vec], Vec], Vec], Vec]:
+    """Betty 0.2.1's conjugate gradient for H x = v: step a = r.r / (alpha p.Hp), residual
+    r' = r - a Hp, direction r + (r'.r' / r.r) p (the previous residual, where textbook CG
+    uses r'), result alpha x. One iteration equals textbook CG for any alpha."""
+    def dot(a: Vec, b: Vec) -> Tensor:
+        return sum(((x * y).sum() for x, y in zip(a, b, strict=True)),
+                   torch.zeros((), dtype=a[0].dtype, device=a[0].device))
+
+    def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
+        x, r, p = [torch.zeros_like(t) for t in v], list(v), list(v)
+        for _ in range(iterations):
+            hp = hvp(p)
+            rr = dot(r, r)
+            a = rr / (alpha * dot(hp, p))
+            x = [xi + a * pi for xi, pi in zip(x, p, strict=True)]
+            r_new = [ri - a * hi for ri, hi in zip(r, hp, strict=True)]
+            beta = dot(r_new, r_new) / rr
+            # Betty 0.2.1 builds the next direction from the *previous* residual
+            p = [ri + beta * pi for ri, pi in zip(r, p, strict=True)]
+            r = r_new
+        return [alpha * xi for xi in x]
+
+    return solve

@@ -30,7 +30,8 @@ from typing import Any, TextIO
 
 from benchmarks import PEERS, ROOT
 
-BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce")
+BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
+              "betty_compat")
 
 
 class SuiteError(Exception):
@@ -63,6 +64,8 @@ def spec(name: str) -> Spec:
             return Spec(name, module, peers=("fairscale",))
         case "meta":
             return Spec(name, module, full=("--steps", "30"), world=False, peers=("betty",))
+        case "betty_compat":  # Betty in one process, the drop-in also on 2 ranks
+            return Spec(name, module, full=("--steps", "100"), world=False, peers=("betty",))
         case "mapreduce":
             return Spec(name, module, world=False, peers=("torchopt",))
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")

@@ -261,3 +261,57 @@ def test_zero3_parameter_read_through_the_wrapper_is_refused() -> None:
     ``self.module.<param>`` would silently do nothing, so it raises and says what to use."""
     for message in run_on_ranks(_zero3_parameter_attribute, 2):
         assert "full_parameters()['scale']" in message and "load_state_dict" in message
+
+
+def _imaml(strategy: str) -> dict[str, Any]:
+    from betty_programs.imaml import run as imaml
+
+    return imaml("compat", strategy)
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("default", 1), ("distributed", 2),
+                                                 ("fsdp", 2)])
+def test_imaml_program_equals_betty(strategy: str, world: int) -> None:
+    """Betty's implicit-MAML layout (Env sampling tasks from a custom train_step calling
+    leaf.step, get_batch from the Env, a proximal term on self.parameters() and
+    self.outer.parameters(), load_state_dict at each inner loop's start, accumulation over
+    tasks, Betty's cg) against Betty 0.2.1's own numbers, in one process and on 2 ranks."""
+    want = torch.load(Path(__file__).parent / "data" / "betty_0.2.1_imaml.pt")
+    for got in run_on_ranks(_imaml, world, args=(strategy,)):
+        assert got["counts"] == want["counts"]
+        if world == 1:
+            for name in _params(want):
+                torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+        else:
+            assert_tensors_close(_params(got), _params(want), where=strategy)
+
+
+def _early_stopping() -> tuple[int, int]:
+    from metadist.compat.betty.engine import Engine
+    from metadist.compat.betty.problems import ImplicitProblem
+
+    class P(ImplicitProblem):
+        def training_step(self, batch: Any) -> torch.Tensor:
+            return self.module(batch[0]).pow(2).mean()
+
+    class Stopping(Engine):
+        scores = [5.0, 4.0, 4.5, 4.2, 4.1, 3.0]
+
+        def validation(self) -> dict[str, float]:
+            return {"loss": self.scores.pop(0)}
+
+    module = nn.Linear(2, 1)
+    p = P("p", Config(), module, torch.optim.SGD(module.parameters(), lr=0.1), None,
+          [(torch.ones(4, 2),)] * 4)
+    engine = Stopping([p], EngineConfig(train_iters=100, valid_step=2, early_stopping=True,
+                                        strategy="distributed",
+                                        early_stopping_tolerance=3), {"u2l": {}, "l2u": {}})
+    engine.run()
+    return engine.global_step, p.count
+
+
+def test_early_stopping_fields_stop_every_rank_at_the_same_iteration() -> None:
+    """Betty's early_stopping/_mode/_tolerance/_metric: the best 4.0 at the 2nd validation,
+    then 3 without improvement -> stop after the 5th validation (iteration 10). Betty 0.2.1
+    raises AttributeError there (its EarlyStopping reads self.patience, never set)."""
+    assert run_on_ranks(_early_stopping, 2) == [(10, 10), (10, 10)]

@@ -62,8 +62,10 @@ def test_unknown_strategy_option_and_precision() -> None:
         metadist.strategy("zer2")
     with pytest.raises(ValueError, match="has no option"):
         metadist.strategy("ddp", bucket_mb=3)
-    with pytest.raises(ValueError, match="precision 'bf16' is not known"):
-        metadist.strategy("zero3", precision="bf16")
+    with pytest.raises(ValueError, match="precision 'bf17' is not known; choose one of: 32-true"):
+        metadist.strategy("zero3", precision="bf17")
+    # Betty's names are aliases of the modes
+    assert metadist.strategy("zero3", precision="bf16").config.precision == "bf16-mixed"
 
 
 # ----- data loaders that cannot be split by index ------------------------------------------

@@ -198,8 +198,8 @@ def test_bf16_true_casts_inputs_and_returns_fp32_outputs() -> None:
 
 def test_unknown_precision_lists_the_modes() -> None:
     with pytest.raises(ValueError, match="choose one of: 32-true, bf16-mixed, 16-mixed, "
-                                         "bf16-true"):
-        metadist.strategy("ddp", precision="fp16")
+                                         "bf16-true, fp32, fp16, bf16"):
+        metadist.strategy("ddp", precision="half")
     with pytest.raises(ValueError, match="dtype 'bf16' is not known"):
         metadist.strategy("ddp", reduce_dtype="bf16")
 

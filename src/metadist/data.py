@@ -82,7 +82,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.start = 0  # units of the epoch's order already consumed before this iteration
         self.start_steps = 0  # global steps already taken in the epoch before this iteration
         self._drawn = 0
-        self._plan: tuple[tuple[int, int], list[_Step], list[int]] | None = None
+        self._plan: tuple[tuple[int, int, int], list[_Step], list[int]] | None = None
 
     def set_epoch(self, epoch: int, start: int = 0, start_steps: int = 0) -> None:
         """Iterate epoch ``epoch`` next, from ``start`` units (samples, or batches of a custom
@@ -90,6 +90,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.epoch, self.start, self.start_steps = epoch, start, start_steps
 
     def _draw(self) -> list[Any]:
+        if isinstance(self.source, SequentialSampler):  # no randomness to seed: every epoch
+            return list(range(len(self.source)))        # is 0..n-1 (no RNG fork, ~70 us)
         # The CPU generator only (forked and restored): torch.manual_seed would also reseed
         # every accelerator's generator, which fork_rng(devices=[]) does not restore, and
         # costs about 1 ms.
@@ -104,11 +106,14 @@ class DistributedBatchSampler(Sampler[list[int]]):
 
     def plan(self) -> list[_Step]:
         """This rank's remaining batches of the current epoch with their weights."""
-        if self._plan is None or self._plan[0] != (self.epoch, self.start):
+        # A sequential source plans the same steps every epoch (for the same length): keep them.
+        key = ((-1, self.start, len(self.source)) if isinstance(self.source, SequentialSampler)
+               else (self.epoch, self.start, 0))
+        if self._plan is None or self._plan[0] != key:
             drawn = self._draw()[self.start:]
             steps = self._plan_batches(drawn) if self.batches else self._plan_samples(drawn)
             consumed = list(itertools.accumulate(s.units for s in steps))
-            self._plan = ((self.epoch, self.start), steps, consumed)
+            self._plan = (key, steps, consumed)
         return self._plan[1]
 
     def position(self, taken: int) -> dict[str, int]:

@@ -30,6 +30,7 @@ from metadist.meta.hypergrad import (
     hypergradient,
 )
 from metadist.meta.problem import Problem, loss_of
+from metadist.meta.response import response
 from metadist.meta.transforms import sgd
 
 if TYPE_CHECKING:
@@ -85,33 +86,24 @@ def path_gradient(engine: Engine, upper: Problem, chain: list[Problem], names: l
                   lam: tuple[Tensor, ...], *, direct: bool) -> tuple[Tensor, ...]:
     """One path's term: upper's loss depends on ``chain[0]``, whose response depends on
     ``chain[1]``, ..., the last's on ``upper``. The first link runs its method on upper's
-    loss; the later ones on the linear loss <theta, v> of the vector v the previous link
-    produced, whose hypergradient is exactly that link's response product."""
+    loss; each later one applies its response product (:func:`~metadist.meta.response.
+    response`) to the vector the previous link produced."""
     sync = engine._sync
     v: tuple[Tensor, ...] = ()
     for i, curr in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else upper
         nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
-        if i == 0:
-            outer = _loss_fn(engine, upper, curr, nxt, nxt_names,
-                             live=direct and nxt is upper, scale=True)
-        else:
-            outer = _linear(v, curr)
         method, config = method_of(curr, nxt)
         params = (curr._theta0 if method == "unrolled"
                   else curr.params(clone=not curr.replicated))
-        v = hypergradient(method, outer, _inner_fn(engine, nxt, curr, nxt_names), params,
-                          nxt_lam, config, grad_sync=sync)
+        inner = _inner_fn(engine, nxt, curr, nxt_names)
+        if i == 0:
+            outer = _loss_fn(engine, upper, curr, nxt, nxt_names,
+                             live=direct and nxt is upper, scale=True)
+            v = hypergradient(method, outer, inner, params, nxt_lam, config, grad_sync=sync)
+        else:
+            v = response(method, v, inner, params, nxt_lam, config, grad_sync=sync)
     return v
-
-
-def _linear(v: tuple[Tensor, ...], problem: Problem) -> LossFn:
-    def outer(theta: Any, lam: tuple[Tensor, ...]) -> Tensor:
-        flat = list(theta.values()) if isinstance(theta, dict) else list(theta)
-        return sum(((t * w).sum() for t, w in zip(flat, v, strict=True)),
-                   torch.zeros((), device=v[0].device, dtype=v[0].dtype))
-
-    return outer
 
 
 def _hparams(problem: Problem) -> tuple[list[str], tuple[Tensor, ...]]:

@@ -99,13 +99,21 @@ def _grad(out: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
 
 
 def _norm(v: Sequence[Tensor]) -> float:
-    return float(torch.sqrt(sum((x.double() ** 2).sum() for x in v)))  # type: ignore[arg-type]
+    return float(torch.cat([x.reshape(-1) for x in v]).norm())
+
+
+def scaled(v: list[Tensor], scale: Any) -> list[Tensor]:
+    """P v for the diagonal preconditioner ``scale`` (a pytree like v; None: v)."""
+    if scale is None:
+        return v
+    leaves, _ = tree_flatten(scale)
+    return [s.to(x.dtype) * x for s, x in zip(leaves, v, strict=True)]
 
 
 def _shifted(theta: list[Tensor], v: Sequence[Tensor], eps: float) -> tuple[list[Tensor], ...]:
-    with torch.no_grad():
-        return ([p + eps * d for p, d in zip(theta, v, strict=True)],
-                [p - eps * d for p, d in zip(theta, v, strict=True)])
+    with torch.no_grad():  # one fused kernel launch per side
+        return (list(torch._foreach_add(theta, list(v), alpha=eps)),
+                list(torch._foreach_add(theta, list(v), alpha=-eps)))
 
 
 def outer_grads(outer_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
@@ -117,16 +125,19 @@ def outer_grads(outer_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tupl
 
 
 def mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
-             w: Sequence[Tensor], r: float, grad_sync: GradSync | None) -> list[Tensor]:
-    """M.w ~ (dG/dlam(theta + eps w) - dG/dlam(theta - eps w)) / (2 eps), eps = r / |w|
-    (both sides synced in one collective)."""
+             w: Sequence[Tensor], r: float, grad_sync: GradSync | None, *,
+             sign: float = 1.0) -> list[Tensor]:
+    """sign * M.w ~ sign * (dG/dlam(theta + eps w) - dG/dlam(theta - eps w)) / (2 eps),
+    eps = r / |w| (both sides synced in one collective; the sign folded into the division)."""
     eps = r / (_norm(w) + _TINY)
     plus, minus = _shifted(theta, w, eps)
     g_plus = _grad(inner_loss_fn(tree_unflatten(plus, spec), lam), lam)
     g_minus = _grad(inner_loss_fn(tree_unflatten(minus, spec), lam), lam)
     both = _sync(grad_sync, [*g_plus, *g_minus])
     n = len(lam)
-    return [(gp - gm) / (2 * eps) for gp, gm in zip(both[:n], both[n:], strict=True)]
+    diff = torch._foreach_sub(both[:n], both[n:])
+    torch._foreach_div_(diff, sign * 2 * eps)
+    return list(diff)
 
 
 def sama(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
@@ -137,9 +148,7 @@ def sama(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     theta, spec = _flat(params)
     lam = _lam(hparams)
     v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
-    if cfg.scale is not None:
-        scale, _ = tree_flatten(cfg.scale)
-        v = [s.to(x.dtype) * x for s, x in zip(scale, v, strict=True)]
+    v = scaled(v, cfg.scale)
     if _norm(v) == 0:
         return tuple(d.detach() for d in direct)
     mixed = mixed_fd(inner_loss_fn, theta, spec, lam, v, cfg.r, grad_sync)
@@ -167,9 +176,17 @@ def reinforce(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     theta, spec = _flat(params)
     lam = _lam(hparams)
     v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
+    score = reinforce_product(inner_loss_fn, theta, spec, lam, v, cfg, grad_sync)
+    return tuple((g - s).detach() for g, s in zip(direct, score, strict=True))
+
+
+def reinforce_product(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any,
+                      lam: tuple[Tensor, ...], v: Sequence[Tensor], cfg: ReinforceConfig,
+                      grad_sync: GradSync | None) -> list[Tensor]:
+    """xi * (score-function estimate of M.v) at ``theta``."""
     norm = _norm(v)
     if norm == 0 or cfg.xi == 0:
-        return tuple(d.detach() for d in direct)
+        return [t.new_zeros(t.shape) for t in lam]
     eps = cfg.r / (norm + _TINY)
     plus, minus = _shifted(theta, v, eps)
     with torch.no_grad():
@@ -178,4 +195,4 @@ def reinforce(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     d = (l_plus - l_minus) / (2 * eps)
     _, log_prob = _samples(inner_loss_fn(tree_unflatten(theta, spec), lam), "current")
     score = _sync(grad_sync, _grad((d.detach() * log_prob).mean(), lam))
-    return tuple((g - cfg.xi * s).detach() for g, s in zip(direct, score, strict=True))
+    return [cfg.xi * s for s in score]

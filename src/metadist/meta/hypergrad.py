@@ -117,6 +117,7 @@ class CGConfig:
 HypergradConfig = (UnrolledConfig | DartsConfig | NeumannConfig | CGConfig | SamaConfig
                    | ReinforceConfig)
 Vec = list[Tensor]
+Solve = Callable[[Callable[[Vec], Vec], Vec], Vec]  # solve(hvp, v) ~ inv(H) v
 
 
 # ----- shared pieces -------------------------------------------------------------------------
@@ -170,11 +171,19 @@ def _outer_grads(outer_loss_fn: LossFn, theta: Vec, spec: Any, lam: tuple[Tensor
 # ----- implicit methods ------------------------------------------------------------------------
 def implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
              hparams: Sequence[Tensor] | Tensor, grad_sync: GradSync | None,
-             solve: Callable[[Callable[[Vec], Vec], Vec], Vec]) -> tuple[Tensor, ...]:
+             solve: Solve) -> tuple[Tensor, ...]:
     """gF_lam - M.inv(H) gF_theta at the inner solution, ``solve(hvp, v) ~ inv(H) v``
     (``hvp(w)`` is the synced H.w): the frame :func:`neumann` and :func:`cg` fill in."""
     theta, spec, lam = _prepare(params, hparams)
     v, direct = _outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
+    mixed = implicit_product(v, inner_loss_fn, theta, spec, lam, grad_sync, solve)
+    return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
+
+
+def implicit_product(v: Vec, inner_loss_fn: LossFn, theta: Vec, spec: Any,
+                     lam: tuple[Tensor, ...], grad_sync: GradSync | None, solve: Solve
+                     ) -> tuple[Tensor, ...]:
+    """M.solve(H, v) at ``theta`` (fresh leaves), every product synced."""
     inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
     # This rank's dG/dtheta with its graph: every H.v and M.v differentiate it again,
     # locally, and the products (not dG/dtheta) are synced, so each is the global one.
@@ -183,9 +192,7 @@ def implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     def hvp(w: Vec) -> Vec:
         return list(_sync(grad_sync, _grad_of(g, theta, w)))
 
-    w = solve(hvp, v)
-    mixed = _sync(grad_sync, _grad_of(g, lam, w))
-    return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
+    return _sync(grad_sync, _grad_of(g, lam, solve(hvp, v)))
 
 
 def _grad_of(g: Sequence[Tensor], inputs: Sequence[Tensor], w: Vec) -> tuple[Tensor, ...]:
@@ -198,14 +205,8 @@ def _grad_of(g: Sequence[Tensor], inputs: Sequence[Tensor], w: Vec) -> tuple[Ten
     return tuple(out)
 
 
-def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-            hparams: Sequence[Tensor] | Tensor, config: NeumannConfig | None = None, *,
-            grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
-    """Implicit hypergradient at the inner solution ``params``, inv(H) by a truncated
-    Neumann series (:class:`NeumannConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v
-    and M.v, so the result is the global-batch hypergradient (module docstring)."""
-    cfg = config or NeumannConfig()
-
+def neumann_solve(cfg: NeumannConfig) -> Solve:
+    """inv(H) v ~ alpha * sum_{k=0..K} (I - alpha H)^k v."""
     def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
         term, total = v, list(v)
         for _ in range(cfg.iterations):
@@ -213,17 +214,12 @@ def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
             total = [s + t for s, t in zip(total, term, strict=True)]
         return [cfg.alpha * s for s in total]
 
-    return implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
+    return solve
 
 
-def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-       hparams: Sequence[Tensor] | Tensor, config: CGConfig | None = None, *,
-       grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
-    """Implicit hypergradient at the inner solution ``params``, inv(H) gF_theta by conjugate
-    gradient (:class:`CGConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v and M.v, so
-    the result is the global-batch hypergradient (module docstring)."""
-    cfg = config or CGConfig()
-
+def cg_solve(cfg: CGConfig) -> Solve:
+    """inv(H) v by conjugate gradient, stopping at ``cfg.tol``; raises on non-positive
+    curvature."""
     def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
         x = [torch.zeros_like(t) for t in v]
         r, p = list(v), list(v)
@@ -246,6 +242,28 @@ def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
             p = [ri + (rr / rr_old) * pi for ri, pi in zip(r, p, strict=True)]
         return x
 
+    return solve
+
+
+def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+            hparams: Sequence[Tensor] | Tensor, config: NeumannConfig | None = None, *,
+            grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """Implicit hypergradient at the inner solution ``params``, inv(H) by a truncated
+    Neumann series (:class:`NeumannConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v
+    and M.v, so the result is the global-batch hypergradient (module docstring)."""
+    cfg = config or NeumannConfig()
+    solve = neumann_solve(cfg)
+
+    return implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
+
+
+def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
+       hparams: Sequence[Tensor] | Tensor, config: CGConfig | None = None, *,
+       grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
+    """Implicit hypergradient at the inner solution ``params``, inv(H) gF_theta by conjugate
+    gradient (:class:`CGConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v and M.v, so
+    the result is the global-batch hypergradient (module docstring)."""
+    solve = cg_solve(config or CGConfig())
     return implicit(outer_loss_fn, inner_loss_fn, params, hparams, grad_sync, solve)
 
 

@@ -248,10 +248,11 @@ class Problem(ABC):
             self._trainable = [t for t in module.parameters() if t.requires_grad]
         return self._trainable
 
-    def accumulate_grads(self, grads: Mapping[str, Tensor]) -> None:
+    def accumulate_grads(self, grads: Mapping[str, Tensor], *, owned: bool = False) -> None:
         """Add ``grads`` (full-parameter gradients, identical on every rank, already averaged
         over ranks) into the ``.grad`` of exactly the tensors this problem's optimizer steps,
-        with no collective: the reducer is bypassed so nothing is averaged twice."""
+        with no collective: the reducer is bypassed so nothing is averaged twice. ``owned``:
+        the tensors are the caller's to give away (fresh results), so none is copied."""
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         module = self.wrapped
         if isinstance(module, ShardedModule):
@@ -279,7 +280,7 @@ class Problem(ABC):
                                 "module; the engine supports single, ddp, zero1, zero2, zero3 "
                                 "and hsdp")
             if id(p) in stepped:  # zero1/zero2: only this rank's own parameters
-                _add_grad(p, g)
+                _add_grad(p, g, owned)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"
@@ -301,9 +302,10 @@ class Binding:
         return self.problem.run_with(self.parameters(), args, kwargs)
 
 
-def _add_grad(p: Tensor, g: Tensor) -> None:
-    g = g.detach().to(p.device, p.dtype)
+def _add_grad(p: Tensor, g: Tensor, owned: bool = False) -> None:
+    moved = g.detach().to(p.device, p.dtype)
     if p.grad is None:
-        p.grad = g.clone()
+        # ``owned``: the caller hands over a fresh tensor nothing else holds (no copy needed)
+        p.grad = moved if owned else moved.clone()
     else:
-        p.grad.add_(g)
+        p.grad.add_(moved)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -12,7 +15,7 @@ import torch.distributed as dist
 
 from metadist.errors import NotInitializedError
 from metadist.runtime import env as launch_env
-from metadist.runtime import rendezvous, watchdog
+from metadist.runtime import failures, rendezvous, watchdog
 from metadist.runtime.tracker import configure_debug
 
 BACKENDS = ("gloo", "nccl", "mpi")
@@ -197,7 +200,30 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         watchdog.start(config, world.rank, progress)
         node_group, cross_group = _hybrid_groups(world)
         _runtime = _Runtime(world, True, node_group, cross_group)
+        _destroy_at_exit()
         return world
+
+
+_exit_hook = False
+
+
+def _destroy_at_exit() -> None:
+    """A program that ends without metadist.shutdown() (Betty's and most torch programs)
+    still destroys the group it got: left to interpreter teardown, gloo's threads can abort
+    the process ("terminate called without an active exception") after the work is done."""
+    global _exit_hook
+    if not _exit_hook:
+        atexit.register(_shutdown_quietly)
+        _exit_hook = True
+
+
+def _shutdown_quietly() -> None:
+    # After an uncaught error the rank did not leave cleanly: keep that for the watchdog's
+    # report (its own exit hook decides), and let the launcher stop the job.
+    if getattr(sys, "last_value", None) is not None or failures.failed_here():
+        return
+    with contextlib.suppress(Exception):
+        shutdown()
 
 
 def _adopt(detected: launch_env.LaunchEnv, device: str | torch.device | None) -> _Runtime:

@@ -48,6 +48,8 @@ class DistributedModule(nn.Module):
         #: set by the strategy: autocast and input/output casts around every forward
         self.precision = Precision()
         self._probe: list[torch.Tensor | None] | None = None  # a list: no submodule registration
+        #: (name, owning module, local name, parameter) of every parameter, for full_parameters
+        self._param_slots: list[tuple[str, nn.Module, str, Any]] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the user's module (``model.vocab_size``, ``model.encode(...)``) read
@@ -65,7 +67,7 @@ class DistributedModule(nn.Module):
                 raise RuntimeError(
                     f"{name!r} of the set-up module is sharded across ranks and has no values "
                     f"between forwards; read it with model.full_parameters()[{name!r}] and "
-                    "change it with model.load_state_dict({...}) (every rank)")
+                    "change it with model.load_state_dict({...}) (every rank)") from None
             return value
 
     def pre_forward(self) -> None:
@@ -80,6 +82,8 @@ class DistributedModule(nn.Module):
         """``fn(*args, **kwargs)`` under this module's precision policy."""
         policy = self.precision
         self._check_devices(args)
+        if policy.mode == "32-true":  # nothing to cast or autocast: the cheapest forward
+            return fn(*args, **kwargs)
         args, kwargs = policy.cast_inputs((args, kwargs))
         with policy.autocast():
             out = fn(*args, **kwargs)
@@ -88,15 +92,17 @@ class DistributedModule(nn.Module):
     def _check_devices(self, args: tuple[Any, ...]) -> None:
         """A CPU batch fed to a GPU model (or the reverse) fails deep inside the first layer
         with a message about the op; say which tensor and what to do instead."""
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None:
+        for first in args:
+            if isinstance(first, torch.Tensor):
+                break
+        else:
             return
         if self._probe is None:  # one parameter, found once: forwards stay cheap
             self._probe = [next(iter(self.module.parameters()), None)]
         param = self._probe[0]
-        if param is None or param.device.type == "meta":
+        if param is None or first.device.type == param.device.type:
             return
-        if first.device.type != param.device.type:
+        if param.device.type != "meta":
             raise RuntimeError(
                 f"the input is on {first.device} but the model is on {param.device}; move "
                 "batches with x.to(strategy.device) (or let strategy.setup_dataloader's "
@@ -109,7 +115,28 @@ class DistributedModule(nn.Module):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter of the user's module, by its own name, as a tensor that
         gradients flow through back to what the optimizer steps."""
-        return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        slots = self._param_slots
+        if slots is not None:  # valid while every parameter is still the object found
+            out: dict[str, torch.Tensor] = {}
+            for name, owner, local, param in slots:
+                current = owner._parameters.get(local)
+                if current is not param or current is None:
+                    break
+                if current.requires_grad:
+                    out[name] = current
+            else:
+                return out
+        # named_parameters' walk costs ~40 us a call on a small model; meta-learning calls
+        # this several times a step, so remember where each parameter lives.
+        slots, seen = [], set()
+        for prefix, owner in self.module.named_modules():
+            for local, param in owner._parameters.items():
+                if param is not None and id(param) not in seen:
+                    seen.add(id(param))
+                    slots.append((f"{prefix}.{local}" if prefix else local, owner, local,
+                                  param))
+        self._param_slots = slots
+        return {n: p for n, _, _, p in slots if p.requires_grad}
 
     def plain_module(self) -> nn.Module:
         """A plain module computing what this one computes on this rank, with parameters

@@ -160,7 +160,7 @@ class Engine(NativeEngine):
 
     def train_step(self) -> None:
         for leaf in self.leaves:
-            self._betty_step(leaf, self.global_step)
+            leaf.step(global_step=self.global_step)
 
     # ----- one problem's step ------------------------------------------------------------
     def _betty_step(self, p: Any, global_step: int | None) -> None:
@@ -214,7 +214,8 @@ class Engine(NativeEngine):
         boundary = p.gradient_accumulation_boundary()
         if p.paths:
             grads, out = upper_gradient(self, p)
-            p.accumulate_grads({n: g / gas for n, g in grads.items()} if gas > 1 else grads)
+            p.accumulate_grads({n: g / gas for n, g in grads.items()} if gas > 1 else grads,
+                               owned=True)
             loss = out["loss"] if isinstance(out, dict) else out
             stats: dict[str, Any] = {"loss": float(loss.detach())}
             if isinstance(out, dict):
@@ -226,7 +227,7 @@ class Engine(NativeEngine):
                 raise ValueError(f"problem {p.name!r}'s loss does not depend on its module's "
                                  "parameters; call self(...) or self.module(...) in "
                                  "training_step, outside torch.no_grad()")
-            self._plain_backward(p, loss * gas, gas, boundary)
+            self._plain_backward(p, loss * gas if gas > 1 else loss, gas, boundary)
         if p.is_implemented("grad_callback"):
             p.grad_callback()
         if boundary:

@@ -2,9 +2,9 @@
 ``first_order`` is True, one term per path [upper, a1, ..., upper]: dF/d(a1's parameters),
 carried down the path by each problem's best-response product (its ``Config.type``).
 
-Each product is one of metadist's methods applied to the linear loss <theta, v>, whose
-hypergradient is exactly that product; every data-dependent piece is synced over ranks, so
-the result is the one-process value of the global batch at any world size. Betty's types:
+Each product is metadist's response product (:func:`~metadist.meta.response.response`) of
+the method that computes Betty's; every data-dependent piece is synced over ranks, so the
+result is the one-process value of the global batch at any world size. Betty's types:
 
 * ``darts``: -M.v by a central finite difference with eps = darts_alpha / |v| (metadist's
   ``sama`` with the identity preconditioner; not metadist's ``darts``, DARTS' virtual step).
@@ -26,17 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from metadist.meta.bilevel import _hparams, _inner_fn, _lam, _linear, sama_scale, weighted
+from metadist.meta.bilevel import _hparams, _inner_fn, _lam, sama_scale, weighted
 from metadist.meta.directional import ReinforceConfig, SamaConfig
-from metadist.meta.hypergrad import (
-    CGConfig,
-    HypergradConfig,
-    NeumannConfig,
-    Vec,
-    hypergradient,
-    implicit,
-)
+from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig, Solve, Vec
 from metadist.meta.problem import loss_of
+from metadist.meta.response import response
 
 if TYPE_CHECKING:
     from metadist.compat.betty.engine import Engine
@@ -103,14 +97,13 @@ def _link(engine: Engine, upper: Problem, names: list[str], lam: tuple[Tensor, .
     nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
     method, config = link_method(curr)
     params = curr.params(clone=not curr.replicated)
-    outer, inner = _linear(v, curr), _inner_fn(engine, nxt, curr, nxt_names)
-    if method == "cg":
-        solve = _betty_cg(curr.config.cg_iterations, curr.config.cg_alpha)
-        return implicit(outer, inner, params, nxt_lam, engine._sync, solve)
-    return hypergradient(method, outer, inner, params, nxt_lam, config, grad_sync=engine._sync)
+    solve = (_betty_cg(curr.config.cg_iterations, curr.config.cg_alpha) if method == "cg"
+             else None)
+    return response(method, v, _inner_fn(engine, nxt, curr, nxt_names), params, nxt_lam,
+                    config, grad_sync=engine._sync, solve=solve)
 
 
-def _betty_cg(iterations: int, alpha: float) -> Callable[[Callable[[Vec], Vec], Vec], Vec]:
+def _betty_cg(iterations: int, alpha: float) -> Solve:
     """Betty 0.2.1's conjugate gradient for H x = v: step a = r.r / (alpha p.Hp), residual
     r' = r - a Hp, direction r + (r'.r' / r.r) p (the previous residual, where textbook CG
     uses r'), result alpha x. One iteration equals textbook CG for any alpha."""

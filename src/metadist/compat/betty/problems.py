@@ -10,6 +10,7 @@ callbacks, which :class:`~metadist.compat.betty.engine.Engine` calls where Betty
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -47,7 +48,11 @@ def _betty_optimizer(problem: Problem, optimizer: Optimizer, module: nn.Module) 
                          "its defaults over the module's parameters (or param_groups()), "
                          "which would leave the given scheduler on the old object; build the "
                          "optimizer on module.parameters() with its settings as defaults")
-    return type(optimizer)(groups, **optimizer.defaults)
+    # Only what the constructor takes (torch's AdamW keeps "decoupled_weight_decay" in its
+    # defaults but does not accept it: Betty 0.2.1 fails there).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
+                                      if k in accepted})
 
 
 class Problem(NativeProblem):
@@ -122,6 +127,14 @@ class Problem(NativeProblem):
                          else x for x in self._loaders]
         self._iterators = [iter(x) for x in self._loaders]
         self.epoch_counter = [0] * len(self._loaders)
+        if strategy.scaler is not None:  # precision="fp16": Betty's GradScaler settings
+            strategy.scaler.scale_value = float(self.config.initial_dynamic_scale)
+            strategy.scaler.growth_factor = float(self.config.scale_factor)
+
+    @property
+    def scaler(self) -> Any:
+        """The loss scaler of precision="fp16" (None otherwise), synchronised across ranks."""
+        return None if self.strategy is None else self.strategy.scaler
 
     # ----- Betty's attributes -----------------------------------------------------------------
     @property
@@ -204,7 +217,18 @@ class Problem(NativeProblem):
         return self._count % self.config.gradient_accumulation == 0
 
     def parameters(self) -> list[Tensor]:
-        return list(self.module.parameters())
+        """The parameters this problem's calls run on right now: the engine's bound tensors
+        while a hypergradient is computed (so a loss term on them, e.g. iMAML's proximal
+        term, is differentiated), otherwise its own."""
+        return list(self.parameters_dict().values())
+
+    def step(self, global_step: int | None = None) -> None:
+        """One Betty step of this problem (its uppers follow when their windows complete);
+        what a custom ``Engine.train_step`` calls on each leaf."""
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError(f"problem {self._betty_name!r} is not part of an engine yet")
+        engine._betty_step(self, global_step)
 
     def trainable_parameters(self) -> list[Tensor]:
         """The tensors this problem's optimizer steps (this rank's shards under zero3)."""
@@ -253,7 +277,8 @@ class Problem(NativeProblem):
         stats: dict[str, Any] = {"loss": loss.item()}
         if isinstance(out, dict):
             stats.update({k: v for k, v in out.items() if k != "loss"})
-        return loss / self.config.gradient_accumulation, stats
+        gas = self.config.gradient_accumulation
+        return (loss / gas if gas > 1 else loss), stats  # x / 1 is x: skip the kernel
 
     # ----- gradients and state ------------------------------------------------------------------
     def set_grads(self, params: Iterable[Tensor], grads: Iterable[Tensor | None]) -> None:

@@ -3,6 +3,28 @@ functional form on parameter pytrees), module cloning and snapshots for inner lo
 hypergradients of bilevel problems that stay exact across ranks, and the multilevel
 Problem/Engine that runs them under any strategy."""
 
+from metadist.meta.adaptive import (
+    AdaDeltaState,
+    AdaGradState,
+    AdaMaxState,
+    RAdamState,
+    RMSPropState,
+    adadelta,
+    adagrad,
+    adamax,
+    radam,
+    rmsprop,
+)
+from metadist.meta.combine import (
+    EmptyState,
+    ScheduleState,
+    add_decayed_weights,
+    chain,
+    clip_grad_norm,
+    nan_to_num,
+    scale,
+    scale_by_schedule,
+)
 from metadist.meta.config import EarlyStopping, EngineConfig, ProblemConfig
 from metadist.meta.engine import Engine
 from metadist.meta.hypergrad import (
@@ -24,7 +46,18 @@ from metadist.meta.modules import (
     module_clone,
     recover_state_dict,
 )
-from metadist.meta.optim import GradSync, MetaAdam, MetaAdamW, MetaOptimizer, MetaSGD
+from metadist.meta.optim import (
+    GradSync,
+    MetaAdaDelta,
+    MetaAdaGrad,
+    MetaAdam,
+    MetaAdaMax,
+    MetaAdamW,
+    MetaOptimizer,
+    MetaRAdam,
+    MetaRMSProp,
+    MetaSGD,
+)
 from metadist.meta.problem import Problem
 from metadist.meta.transforms import (
     AdamState,
@@ -38,35 +71,58 @@ from metadist.meta.transforms import (
 
 __all__ = [
     "METHODS",
+    "AdaDeltaState",
+    "AdaGradState",
+    "AdaMaxState",
     "AdamState",
     "CGConfig",
     "DartsConfig",
     "EarlyStopping",
+    "EmptyState",
     "Engine",
     "EngineConfig",
     "GradSync",
     "HypergradConfig",
+    "MetaAdaDelta",
+    "MetaAdaGrad",
+    "MetaAdaMax",
     "MetaAdam",
     "MetaAdamW",
     "MetaOptimizer",
+    "MetaRAdam",
+    "MetaRMSProp",
     "MetaSGD",
     "NeumannConfig",
     "Problem",
     "ProblemConfig",
+    "RAdamState",
+    "RMSPropState",
     "SGDState",
+    "ScheduleState",
     "Transformation",
     "UnrolledConfig",
+    "adadelta",
+    "adagrad",
     "adam",
+    "adamax",
     "adamw",
+    "add_decayed_weights",
     "apply_updates",
     "cg",
+    "chain",
+    "clip_grad_norm",
     "darts",
     "extract_state_dict",
     "functional_call",
     "hypergradient",
     "module_clone",
+    "nan_to_num",
     "neumann",
+    "radam",
     "recover_state_dict",
+    "rmsprop",
+    "scale",
+    "scale_by_schedule",
     "sgd",
     "unrolled",
 ]

@@ -24,8 +24,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
+from metadist.meta.adaptive import adadelta, adagrad, adamax, radam, rmsprop
 from metadist.meta.modules import Slot, trainable_slots, unwrap
-from metadist.meta.transforms import Scalar, Transformation, adam, adamw, apply_updates, sgd
+from metadist.meta.transforms import (
+    Mask,
+    Scalar,
+    Transformation,
+    adam,
+    adamw,
+    apply_updates,
+    sgd,
+)
 
 GradSync = Callable[[tuple[Tensor, ...]], tuple[Tensor, ...]]
 
@@ -48,7 +57,7 @@ class MetaOptimizer:
         if not isinstance(module, nn.Module):
             raise TypeError(f"{type(self).__name__} binds to an nn.Module, got "
                             f"{type(module).__name__}; for tensors use the functional form "
-                            "(metadist.meta.sgd/adam/adamw)")
+                            "(metadist.meta.sgd, adam, rmsprop, chain, ...)")
         self.module = unwrap(module)  # a strategy's wrapper binds the user's module
         self.transform = transform
         self.create_graph = create_graph
@@ -126,31 +135,107 @@ class MetaOptimizer:
 class MetaSGD(MetaOptimizer):
     """Differentiable ``torch.optim.SGD`` bound to ``module`` (``lr`` may be a tensor)."""
 
-    def __init__(self, module: nn.Module, lr: Scalar, momentum: float = 0.0,
+    def __init__(self, module: nn.Module, lr: Scalar, momentum: float = 0.0, *,
                  dampening: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
-                 maximize: bool = False, *, create_graph: bool = True,
+                 maximize: bool = False, create_graph: bool = True,
                  grad_sync: GradSync | None = None) -> None:
-        super().__init__(module, sgd(lr, momentum, dampening, nesterov, weight_decay, maximize),
+        # Keyword-only after momentum: TorchOpt's MetaSGD takes weight_decay 3rd, torch's
+        # SGD dampening; positional calls meaning either must fail, not pick another option.
+        super().__init__(module, sgd(lr, momentum, dampening=dampening, nesterov=nesterov,
+                                     weight_decay=weight_decay, maximize=maximize),
                          create_graph=create_graph, grad_sync=grad_sync)
 
 
 class MetaAdam(MetaOptimizer):
-    """Differentiable ``torch.optim.Adam`` bound to ``module`` (``lr`` may be a tensor)."""
+    """Differentiable ``torch.optim.Adam`` bound to ``module`` (``lr`` may be a tensor);
+    ``eps_root``/``moment_requires_grad``: see :class:`metadist.meta.transforms.Adam`."""
 
     def __init__(self, module: nn.Module, lr: Scalar = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, maximize: bool = False, *,
-                 create_graph: bool = True, grad_sync: GradSync | None = None) -> None:
-        super().__init__(module, adam(lr, betas, eps, weight_decay, maximize),
+                 weight_decay: float = 0.0, maximize: bool = False, *, eps_root: float = 0.0,
+                 moment_requires_grad: bool = False, create_graph: bool = True,
+                 grad_sync: GradSync | None = None) -> None:
+        super().__init__(module, adam(lr, betas, eps, weight_decay, maximize, eps_root=eps_root,
+                                      moment_requires_grad=moment_requires_grad),
                          create_graph=create_graph, grad_sync=grad_sync)
 
 
 class MetaAdamW(MetaOptimizer):
-    """Differentiable ``torch.optim.AdamW`` bound to ``module`` (``lr`` may be a tensor)."""
+    """Differentiable ``torch.optim.AdamW`` bound to ``module`` (``lr`` may be a tensor);
+    ``mask`` limits weight decay (bools keyed like :attr:`params`, or a callable of them)."""
 
     def __init__(self, module: nn.Module, lr: Scalar = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, maximize: bool = False, *,
+                 weight_decay: float = 1e-2, maximize: bool = False, *, eps_root: float = 0.0,
+                 moment_requires_grad: bool = False, mask: Mask | None = None,
                  create_graph: bool = True, grad_sync: GradSync | None = None) -> None:
-        super().__init__(module, adamw(lr, betas, eps, weight_decay, maximize),
+        super().__init__(module, adamw(lr, betas, eps, weight_decay, maximize,
+                                       eps_root=eps_root, mask=mask,
+                                       moment_requires_grad=moment_requires_grad),
+                         create_graph=create_graph, grad_sync=grad_sync)
+
+
+class MetaRMSProp(MetaOptimizer):
+    """Differentiable ``torch.optim.RMSprop`` bound to ``module`` (``lr`` may be a tensor);
+    TorchOpt's extras: see :class:`metadist.meta.adaptive.RMSProp`."""
+
+    def __init__(self, module: nn.Module, lr: Scalar = 1e-2, alpha: float = 0.99,
+                 eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.0,
+                 centered: bool = False, maximize: bool = False, *, initial_scale: float = 0.0,
+                 nesterov: bool = False, moment_requires_grad: bool = False,
+                 create_graph: bool = True, grad_sync: GradSync | None = None) -> None:
+        super().__init__(module, rmsprop(lr, alpha, eps, weight_decay, momentum, centered,
+                                         maximize, initial_scale=initial_scale,
+                                         nesterov=nesterov,
+                                         moment_requires_grad=moment_requires_grad),
+                         create_graph=create_graph, grad_sync=grad_sync)
+
+
+class MetaAdaGrad(MetaOptimizer):
+    """Differentiable ``torch.optim.Adagrad`` bound to ``module`` (``lr`` may be a tensor)."""
+
+    def __init__(self, module: nn.Module, lr: Scalar = 1e-2, lr_decay: float = 0.0,
+                 weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
+                 eps: float = 1e-10, maximize: bool = False, *, create_graph: bool = True,
+                 grad_sync: GradSync | None = None) -> None:
+        super().__init__(module, adagrad(lr, lr_decay, weight_decay, initial_accumulator_value,
+                                         eps, maximize),
+                         create_graph=create_graph, grad_sync=grad_sync)
+
+
+class MetaAdaDelta(MetaOptimizer):
+    """Differentiable ``torch.optim.Adadelta`` bound to ``module`` (``lr`` may be a tensor)."""
+
+    def __init__(self, module: nn.Module, lr: Scalar = 1.0, rho: float = 0.9,
+                 eps: float = 1e-6, weight_decay: float = 0.0, maximize: bool = False, *,
+                 moment_requires_grad: bool = False, create_graph: bool = True,
+                 grad_sync: GradSync | None = None) -> None:
+        super().__init__(module, adadelta(lr, rho, eps, weight_decay, maximize,
+                                          moment_requires_grad=moment_requires_grad),
+                         create_graph=create_graph, grad_sync=grad_sync)
+
+
+class MetaAdaMax(MetaOptimizer):
+    """Differentiable ``torch.optim.Adamax`` bound to ``module`` (``lr`` may be a tensor)."""
+
+    def __init__(self, module: nn.Module, lr: Scalar = 2e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, maximize: bool = False, *,
+                 moment_requires_grad: bool = False, create_graph: bool = True,
+                 grad_sync: GradSync | None = None) -> None:
+        super().__init__(module, adamax(lr, betas, eps, weight_decay, maximize,
+                                        moment_requires_grad=moment_requires_grad),
+                         create_graph=create_graph, grad_sync=grad_sync)
+
+
+class MetaRAdam(MetaOptimizer):
+    """Differentiable ``torch.optim.RAdam`` bound to ``module`` (``lr`` may be a tensor)."""
+
+    def __init__(self, module: nn.Module, lr: Scalar = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
+                 maximize: bool = False, *, moment_requires_grad: bool = False,
+                 create_graph: bool = True, grad_sync: GradSync | None = None) -> None:
+        super().__init__(module, radam(lr, betas, eps, weight_decay, decoupled_weight_decay,
+                                       maximize, moment_requires_grad=moment_requires_grad),
                          create_graph=create_graph, grad_sync=grad_sync)

@@ -6,8 +6,11 @@
 part of the autograd graph: an outer backward flows through all inner steps, through the
 state, and into tensor hyperparameters such as a learnable learning rate.
 
-The arithmetic follows ``torch.optim`` (SGD, Adam, AdamW with default flags) operation by
-operation, so with detached gradients the iterates agree with torch's to rounding.
+The arithmetic follows ``torch.optim`` (SGD, Adam, AdamW here; RMSprop, Adagrad, Adadelta,
+Adamax and RAdam in :mod:`metadist.meta.adaptive`) operation by operation, so with detached
+gradients the iterates agree with torch's to rounding. Flags that torch lacks (``eps_root``,
+``moment_requires_grad``, ``mask``) take TorchOpt's meaning; :mod:`metadist.meta.combine`
+chains transformations.
 
 Params, grads and states are pytrees (dicts, tuples, lists, nested) of tensors; grads must have
 the structure of the params. States are NamedTuples whose tensor fields mirror that structure
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -27,6 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 PyTree = Any
 Scalar = float | Tensor  # learning rates may be tensors (learnable, part of the graph)
+Mask = PyTree | Callable[[PyTree], PyTree]  # bools shaped like the params, or params -> those
 
 
 class SGDState(NamedTuple):
@@ -63,6 +68,47 @@ def _write(targets: list[Tensor], values: list[Tensor]) -> list[Tensor]:
         for t, v in zip(targets, values, strict=True):
             t.copy_(v)
     return targets
+
+
+def _write_state(old: Any, new: Any, spec: TreeSpec) -> Any:
+    """``new`` (a state NamedTuple) with every tensor-tree field copied into ``old``'s storage;
+    ints and ``None`` fields are taken as they are."""
+    fields: dict[str, Any] = {}
+    for name in new._fields:
+        value = getattr(new, name)
+        if isinstance(value, int) or value is None:
+            fields[name] = value
+        else:
+            target = _flat(getattr(old, name), f"state field {name!r}", spec)[0]
+            written = _write(target, _flat(value, f"state field {name!r}", spec)[0])
+            fields[name] = tree_unflatten(written, spec)
+    return type(new)(**fields)
+
+
+def _zeros(leaves: list[Tensor], spec: TreeSpec, requires_grad: bool = False,
+           fill: float = 0.0) -> PyTree:
+    """Fresh state tensors shaped like ``leaves``, outside any graph; ``requires_grad=True``
+    (TorchOpt's ``moment_requires_grad``) makes them leaves that outer gradients can reach."""
+    return tree_unflatten([torch.full_like(p.detach(), fill).requires_grad_(requires_grad)
+                           for p in leaves], spec)
+
+
+def _scaled(x: Tensor, factor: Scalar) -> Tensor:
+    """``x * factor``; a tensor factor stays in the graph (a learnable learning rate)."""
+    return x * factor if isinstance(factor, Tensor) else x.mul(factor)
+
+
+def _mask_flags(mask: Mask | None, params: list[Tensor], spec: TreeSpec) -> list[bool]:
+    """One bool per parameter leaf: where weight decay applies (all of them without a mask)."""
+    if mask is None:
+        return [True] * len(params)
+    tree = mask(tree_unflatten(params, spec)) if callable(mask) else mask
+    flags, got = tree_flatten(tree)
+    if got != spec:
+        raise ValueError(f"the weight-decay mask does not have the structure of the parameters: "
+                         f"expected {spec}, got {got}; give one bool per parameter, in the "
+                         "params' dict/tuple layout (or a callable params -> such a tree)")
+    return [bool(f) for f in flags]
 
 
 def _check_scalar(name: str, value: Scalar, low: float, high: float | None = None) -> None:
@@ -189,7 +235,14 @@ class SGD(Transformation):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Adam(Transformation):
     """Adam (``decoupled=False``, L2 weight decay added to the gradient) or AdamW
-    (``decoupled=True``, parameters shrunk by ``lr * weight_decay``), as ``torch.optim``."""
+    (``decoupled=True``, parameters shrunk by ``lr * weight_decay``), as ``torch.optim``.
+
+    TorchOpt's extras: ``eps_root`` goes inside the square root of the bias-corrected second
+    moment, ``sqrt(nu / (1 - beta2**t) + eps_root) + eps`` (``0.0`` keeps torch's expression);
+    ``moment_requires_grad`` makes the initial moments leaves with ``requires_grad``; ``mask``
+    (bools shaped like the params, or a callable params -> such a tree) limits weight decay to
+    the leaves marked True.
+    """
 
     lr: Scalar = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -197,21 +250,22 @@ class Adam(Transformation):
     weight_decay: float = 0.0
     maximize: bool = False
     decoupled: bool = False
+    eps_root: float = dataclasses.field(default=0.0, kw_only=True)
+    moment_requires_grad: bool = dataclasses.field(default=False, kw_only=True)
+    mask: Mask | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         _check_scalar("lr", self.lr, 0.0)
         _check_scalar("betas[0]", self.betas[0], 0.0, 1.0)
         _check_scalar("betas[1]", self.betas[1], 0.0, 1.0)
         _check_scalar("eps", self.eps, 0.0)
+        _check_scalar("eps_root", self.eps_root, 0.0)
         _check_scalar("weight_decay", self.weight_decay, 0.0)
 
     def init(self, params: PyTree) -> AdamState:
         leaves, spec = _flat(params, "params")
-
-        def zeros() -> PyTree:
-            return tree_unflatten([torch.zeros_like(p.detach()) for p in leaves], spec)
-
-        return AdamState(0, zeros(), zeros())
+        grad = self.moment_requires_grad
+        return AdamState(0, _zeros(leaves, spec, grad), _zeros(leaves, spec, grad))
 
     def _step(self, grads: list[Tensor], params: list[Tensor] | None, state: Any,
               spec: TreeSpec) -> tuple[list[Tensor], AdamState]:
@@ -223,22 +277,27 @@ class Adam(Transformation):
         if self.maximize:
             grads = [-g for g in grads]
         decayed = self._decay_params(params, wd) if wd != 0 else None
+        flags = [] if decayed is None else _mask_flags(self.mask, decayed, spec)
         if decayed is not None and not self.decoupled:
-            grads = [g.add(p, alpha=wd) for g, p in zip(grads, decayed, strict=True)]
+            grads = [g.add(p, alpha=wd) if on else g
+                     for g, p, on in zip(grads, decayed, flags, strict=True)]
         count = state.steps + 1
         # Python floats, exactly as torch computes them for float (non-tensor) hyperparameters.
         bias1 = 1 - beta1**count
-        bias2_sqrt = (1 - beta2**count) ** 0.5
+        bias2 = 1 - beta2**count
+        bias2_sqrt = bias2**0.5
         mus, nus, updates = [], [], []
         old_mu = _flat(state.mu, "first moments", spec)[0]
         old_nu = _flat(state.nu, "second moments", spec)[0]
         for i, g in enumerate(grads):
             mu = torch.lerp(old_mu[i], g, 1 - beta1)
             nu = torch.addcmul(old_nu[i] * beta2, g, g, value=1 - beta2)
-            denom = nu.sqrt() / bias2_sqrt + self.eps
-            step = mu / denom
-            update = step * (-lr / bias1) if isinstance(lr, Tensor) else step.mul(-lr / bias1)
-            if decayed is not None and self.decoupled:
+            if self.eps_root == 0:
+                denom = nu.sqrt() / bias2_sqrt + self.eps
+            else:  # TorchOpt's placement: sqrt(nu_hat + eps_root) + eps
+                denom = (nu / bias2 + self.eps_root).sqrt() + self.eps
+            update = _scaled(mu / denom, -lr / bias1)
+            if decayed is not None and self.decoupled and flags[i]:
                 update = update - decayed[i] * (lr * wd)
             mus.append(mu)
             nus.append(nu)
@@ -246,28 +305,34 @@ class Adam(Transformation):
         return updates, AdamState(count, tree_unflatten(mus, spec), tree_unflatten(nus, spec))
 
     def _written(self, old: Any, new: Any, spec: TreeSpec) -> AdamState:
-        mu = _write(_flat(old.mu, "first moments", spec)[0], _flat(new.mu, "mu", spec)[0])
-        nu = _write(_flat(old.nu, "second moments", spec)[0], _flat(new.nu, "nu", spec)[0])
-        return AdamState(new.steps, tree_unflatten(mu, spec), tree_unflatten(nu, spec))
+        written: AdamState = _write_state(old, new, spec)
+        return written
 
 
-def sgd(lr: Scalar, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+def sgd(lr: Scalar, momentum: float = 0.0, *, dampening: float = 0.0, nesterov: bool = False,
         weight_decay: float = 0.0, maximize: bool = False) -> SGD:
-    """Differentiable SGD (``torch.optim.SGD`` maths); ``lr`` may be a tensor."""
+    """Differentiable SGD (``torch.optim.SGD`` maths); ``lr`` may be a tensor. Options after
+    ``momentum`` are keyword-only: torch puts ``weight_decay`` 4th, TorchOpt's ``sgd`` too,
+    and a positional call that meant either would silently set another option here."""
     return SGD(lr, momentum, dampening, nesterov, weight_decay, maximize)
 
 
 def adam(lr: Scalar = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-         weight_decay: float = 0.0, maximize: bool = False) -> Adam:
+         weight_decay: float = 0.0, maximize: bool = False, *, eps_root: float = 0.0,
+         moment_requires_grad: bool = False) -> Adam:
     """Differentiable Adam (``torch.optim.Adam`` maths, L2 weight decay); ``lr`` may be a
-    tensor."""
-    return Adam(lr, betas, eps, weight_decay, maximize, decoupled=False)
+    tensor. ``eps_root``/``moment_requires_grad``: see :class:`Adam`."""
+    return Adam(lr, betas, eps, weight_decay, maximize, decoupled=False, eps_root=eps_root,
+                moment_requires_grad=moment_requires_grad)
 
 
 def adamw(lr: Scalar = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 1e-2, maximize: bool = False) -> Adam:
-    """Differentiable AdamW (``torch.optim.AdamW`` maths, decoupled weight decay)."""
-    return Adam(lr, betas, eps, weight_decay, maximize, decoupled=True)
+          weight_decay: float = 1e-2, maximize: bool = False, *, eps_root: float = 0.0,
+          moment_requires_grad: bool = False, mask: Mask | None = None) -> Adam:
+    """Differentiable AdamW (``torch.optim.AdamW`` maths, decoupled weight decay), decaying
+    only the leaves ``mask`` marks True (all without one); other flags: see :class:`Adam`."""
+    return Adam(lr, betas, eps, weight_decay, maximize, decoupled=True, eps_root=eps_root,
+                moment_requires_grad=moment_requires_grad, mask=mask)
 
 
 def apply_updates(params: PyTree, updates: PyTree, *, inplace: bool = False) -> PyTree:

@@ -8,9 +8,11 @@ which ``metadist run`` names the origin rank (``runtime/failures.py``).
 
 from __future__ import annotations
 
+import builtins
 import os
 import runpy
 import sys
+import types
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -27,19 +29,36 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_as_main(script)
     except SystemExit as exc:
         if exc.code in (None, 0):
             return
         raise
     except Exception as exc:
-        # Start the traceback at the user's script, not in this entry or runpy.
+        # Start the traceback at the user's script, not in this entry (or runpy).
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None and (
                 tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")):
             tb = tb.tb_next
         failures.record_script_failure(exc.with_traceback(tb), watchdog.claim_first_failure)
         raise SystemExit(1) from None  # reported: Python must not print the traceback again
+
+
+def _run_as_main(script: str) -> None:
+    """Run ``script`` as ``python script.py`` would: as ``__main__``, and left installed until
+    the process exits (runpy puts the launcher's ``__main__`` back when the script returns,
+    so objects pickled by reference to the script's classes and functions, e.g. RPC calls a
+    serving rank still receives, or exit hooks, would no longer resolve)."""
+    if not script.endswith(".py"):  # a zip application or a directory with __main__.py
+        runpy.run_path(script, run_name="__main__")
+        return
+    with open(script, encoding="utf-8") as source:
+        code = compile(source.read(), script, "exec")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=script, __builtins__=builtins, __spec__=None,
+                           __loader__=None, __package__=None)
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)  # running the user's script is the point
 
 
 if __name__ == "__main__":

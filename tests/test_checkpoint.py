@@ -382,8 +382,8 @@ def test_broken_or_mismatched_checkpoints_fail_cleanly_and_change_nothing(
         "trunc": ("CorruptCheckpointError", "truncated"),
         "objects": ("CorruptCheckpointError", "objects.pt fails its size/checksum check"),
         "nomarker": ("IncompleteCheckpointError", "marker metadata.json is missing"),
-        "full.flip": ("CorruptCheckpointError", "full.pt.flip: the bytes of state['model']"
-                      "['inp.weight'] fail their checksum"),
+        "full.flip": ("CorruptCheckpointError", "full.pt.flip fails its sha256 check: the "
+                      "bytes of state['model']['inp.weight'] fail their checksum"),
         "full.trunc": ("CorruptCheckpointError", "cannot be read as a checkpoint"),
         "full.foreign": ("CorruptCheckpointError", "is not a metadist checkpoint"),
         "full.pickle": ("CorruptCheckpointError", "Unsupported global"),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import metadist.compat.torchopt as torchopt
+import metadist.compat.torchopt as torchopt  # noqa: PLR0402 - mirrors "import torchopt"
 import metadist.compat.torchopt.distributed as todist
 
 N_WAY, K_SPT, K_QRY, TASKS, INNER_STEPS = 5, 1, 3, 4, 2

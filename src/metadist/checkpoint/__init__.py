@@ -18,7 +18,9 @@ Either loads into any strategy at any world size: each rank reads just the eleme
 it will hold (:mod:`~metadist.checkpoint.restore`). Every rank's RNG state is restored
 (:mod:`~metadist.checkpoint.rng`). Saves are atomic (a marker written last, by a rename);
 loads never unpickle arbitrary objects (raw bytes, JSON, ``torch.load(weights_only=True)``),
-verify CRC-32 checksums, and change nothing in memory unless every rank succeeded.
+check every byte they trust against a checksum before using it (SHA-256 digests of whole
+files, CRC-32s of pieces: :mod:`~metadist.checkpoint.digest`), and change nothing in memory
+unless every rank succeeded.
 
 Why not ``torch.distributed.checkpoint``: our shards are not DTensors but element ranges of
 flattened parameters inside padded flat buffers, which its chunk model (n-d boxes) cannot

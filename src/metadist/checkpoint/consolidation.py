@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from metadist.checkpoint.atomic import write_atomic
+from metadist.checkpoint.digest import write_sealed_zip
 from metadist.checkpoint.entries import Key
 from metadist.checkpoint.full import document
 from metadist.checkpoint.source import Source, open_source
@@ -63,5 +64,5 @@ def consolidate(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str])
     finally:
         source.close()
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target, lambda f: torch.save(doc, f))
+    write_atomic(target, lambda f: write_sealed_zip(f, lambda s: torch.save(doc, s)))
     return target

@@ -5,7 +5,9 @@ level: a module's state dict (your module's keys; zero3 gathers it) under its na
 ``["model"]``; an optimizer's state in the plain single-process format; a scheduler's,
 scaler's or loader's ``state_dict()``; plain values as they were. metadist's header is under
 ``["metadist"]``: format and version, the writing strategy and world size, each entry's kind,
-optimizer parameter shapes, every rank's RNG state, and a CRC-32 per tensor.
+optimizer parameter shapes, every rank's RNG state, and a CRC-32 per tensor. The archive's
+comment is the SHA-256 of all its other bytes (:mod:`~metadist.checkpoint.digest`), checked
+before the file is parsed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from metadist.checkpoint import rng
 from metadist.checkpoint.agree import Failure, announce, failure
 from metadist.checkpoint.atomic import write_atomic
 from metadist.checkpoint.capture import param_shapes
+from metadist.checkpoint.digest import write_sealed_zip
 from metadist.checkpoint.entries import (
     HEADER,
     Entry,
@@ -144,7 +147,7 @@ def save_full(strategy: Strategy, path: Path, entries: list[Entry], *, rank: int
             assert rngs is not None
             doc = document(metas, contents, world_size=world_size, strategy=strategy.name,
                            rngs=rngs)
-            write_atomic(path, lambda f: torch.save(doc, f))
+            write_atomic(path, lambda f: write_sealed_zip(f, lambda s: torch.save(doc, s)))
         except Exception as exc:
             found = (0, failure(exc))
     announce(found, f"saving checkpoint {path}", world_size)

@@ -9,7 +9,12 @@
      "tensors": [{"key": ["model", "inp.weight"], "shape": [16, 10], "dtype": "float32",
                   "pieces": [{"file": "rank-00001.bin", "offset": 0, "start": 80,
                               "stop": 160, "crc32": 1234}, ...]}, ...],
-     "files": {"rank-00000.bin": {"bytes": 4096}, "objects.pt": {"bytes": 900, "crc32": 5}}}
+     "files": {"rank-00000.bin": {"bytes": 4096}, "objects.pt": {"bytes": 900, "crc32": 5}},
+     "sha256": "<digest of every byte before this field>"}
+
+The digest (:mod:`~metadist.checkpoint.digest`) is checked before anything is parsed; the
+index's CRC-32s and sizes then cover every byte of ``objects.pt`` and of the data files.
+Version 1 (before digests) indexes carry no digest; they still load, with the other checks.
 
 Everything else (optimizer hyperparameters, scalar state, scheduler/scaler/loader state, plain
 values, every rank's RNG state) is in ``objects.pt``, read with ``torch.load(weights_only=True)``.
@@ -25,13 +30,15 @@ from typing import Any
 
 import torch
 
+from metadist.checkpoint.digest import verify_json
 from metadist.checkpoint.entries import KINDS, Key, Kind, describe
 from metadist.checkpoint.errors import CorruptCheckpointError
-from metadist.checkpoint.pieces import Piece, PieceRecord, TensorInfo, parse_dtype
+from metadist.checkpoint.pieces import Piece, PieceRecord, TensorInfo, dtype_name, parse_dtype
 
 SHARDED = "metadist.sharded"
 FULL = "metadist.full"
-VERSION = 1
+VERSION = 2
+LEGACY_VERSION = 1  # before whole-file digests: loads without one
 MARKER = "metadata.json"
 OBJECTS = "objects.pt"
 DATA_PREFIX = "v-"  # version directories; the marker names the current one
@@ -84,7 +91,7 @@ def encode(*, data: str, world_size: int, strategy: str, entries: dict[str, Entr
     tensors = []
     for key, (shape, dtype, pieces) in by_key.items():
         pieces.sort(key=lambda p: p.start)
-        _check_cover(key, TensorInfo(shape, parse_dtype(dtype, "index")), pieces)
+        _check_cover(key, TensorInfo(shape, parse_dtype(dtype, "index")), pieces, "index")
         tensors.append({"key": list(key), "shape": list(shape), "dtype": dtype,
                         "pieces": [{"file": p.file, "offset": p.offset, "start": p.start,
                                     "stop": p.stop, "crc32": p.crc32} for p in pieces]})
@@ -96,18 +103,80 @@ def encode(*, data: str, world_size: int, strategy: str, entries: dict[str, Entr
             "tensors": tensors, "files": all_files}
 
 
-def _check_cover(key: Key, info: TensorInfo, pieces: list[Piece]) -> None:
+def _check_cover(key: Key, info: TensorInfo, pieces: list[Piece], where: str) -> None:
     """Pieces (sorted by start) must tile ``[0, numel)`` exactly."""
     at = 0
+    files = ", ".join(sorted({p.file for p in pieces})) or "no file"
     for p in pieces:
         if p.start != at or p.stop < p.start:
             raise CorruptCheckpointError(
-                f"the pieces of {describe(key)} leave a gap or overlap at element {at} "
-                f"(a piece covers {p.start}-{p.stop})")
+                f"{where}: the pieces of {describe(key)} in {files} leave a gap or overlap at "
+                f"element {at} (a piece covers {p.start}-{p.stop}); the checkpoint index is "
+                "corrupted, load another checkpoint")
         at = p.stop
     if at != info.numel:
-        raise CorruptCheckpointError(f"the pieces of {describe(key)} cover {at} of its "
-                                     f"{info.numel} elements")
+        raise CorruptCheckpointError(
+            f"{where}: the pieces of {describe(key)} in {files} cover {at} of its "
+            f"{info.numel} elements (shape {list(info.shape)}); the checkpoint index is "
+            "corrupted, load another checkpoint")
+
+
+def check_keys(keys: list[Key], entries: dict[str, EntryMeta], where: str) -> None:
+    """Every stored tensor or value must belong to an entry, in that entry's key form."""
+    for key in keys:
+        meta = entries.get(key[0]) if key else None
+        if meta is None:
+            raise CorruptCheckpointError(
+                f"{where}: {describe(key)} belongs to {key[0] if key else '?'!r}, but there "
+                f"is no such entry (the index lists {', '.join(map(repr, entries))}); the "
+                "checkpoint is corrupted, load another checkpoint")
+        fits = (len(key) == 2 and key[1] in meta.keys if meta.kind == "module" else
+                len(key) == 3 and key[1].isdigit() and int(key[1]) < len(meta.shapes)
+                if meta.kind == "optimizer" else False)
+        if not fits:
+            raise CorruptCheckpointError(
+                f"{where}: {describe(key)} is not a key of the {meta.kind} {key[0]!r}; the "
+                "checkpoint is corrupted, load another checkpoint")
+
+
+def check_layout(index: Index, where: str) -> None:
+    """The pieces of each data file must tile it from byte 0 to its recorded size: a changed
+    dtype, offset or element range shows as a gap or overlap, named by key and file."""
+    by_file: dict[str, list[tuple[int, int, Key, TensorInfo, Piece]]] = {
+        name: [] for name in index.files}
+    for key, (info, pieces) in index.tensors.items():
+        for p in pieces:
+            if p.file not in by_file:
+                raise CorruptCheckpointError(
+                    f"{where}: the piece of {describe(key)} is in {p.file!r}, a data file the "
+                    "index does not list; the checkpoint index is corrupted")
+            if p.offset < 0 or p.start < 0:
+                raise CorruptCheckpointError(
+                    f"{where}: the piece of {describe(key)} in {p.file} has a negative byte "
+                    f"offset ({p.offset}) or first element ({p.start}); the checkpoint index "
+                    "is corrupted, load another checkpoint")
+            nbytes = (p.stop - p.start) * info.dtype.itemsize
+            by_file[p.file].append((p.offset, nbytes, key, info, p))
+
+    def what(key: Key, info: TensorInfo, p: Piece) -> str:
+        return f"{describe(key)} ({dtype_name(info.dtype)}, elements {p.start}-{p.stop})"
+
+    for name, placed in by_file.items():
+        placed.sort(key=lambda row: (row[0], row[1]))
+        at, last = 0, "the start of the file"
+        for offset, nbytes, key, info, p in placed:
+            if offset != at:
+                raise CorruptCheckpointError(
+                    f"{where}: in {name}, {last} ends at byte {at} but the piece of "
+                    f"{what(key, info, p)} starts at byte {offset}; the checkpoint index is "
+                    "corrupted (a changed dtype, offset or element range), load another "
+                    "checkpoint")
+            at, last = offset + nbytes, f"the piece of {what(key, info, p)}"
+        if at != index.files[name]:
+            raise CorruptCheckpointError(
+                f"{where}: in {name}, {last} ends at byte {at} but the file holds "
+                f"{index.files[name]} bytes; the checkpoint index is corrupted (a changed "
+                "dtype, offset or element range), load another checkpoint")
 
 
 def _file_name(name: Any, where: str) -> str:
@@ -130,10 +199,19 @@ def decode(path: Path) -> Index:
     """Parse and check ``path`` (a marker file); raises :class:`CorruptCheckpointError`."""
     where = str(path)
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise CorruptCheckpointError(f"cannot read {where}: {err}") from err
+    sealed = verify_json(raw, where)
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CorruptCheckpointError(f"{where} is not readable JSON ({err}); the checkpoint "
                                      "index is corrupted") from err
+    if isinstance(doc, dict) and not sealed and doc.get("version") != LEGACY_VERSION:
+        raise CorruptCheckpointError(
+            f"{where} lacks its sha256 digest, which format version {doc.get('version')!r} "
+            "requires: the file is corrupted or truncated; load another checkpoint")
     try:
         return _decode(doc, where)
     except (TypeError, ValueError, AttributeError) as err:  # fields of the wrong type
@@ -144,7 +222,7 @@ def decode(path: Path) -> Index:
 def _decode(doc: Any, where: str) -> Index:
     if not isinstance(doc, dict) or doc.get("format") != SHARDED:
         raise CorruptCheckpointError(f"{where} is not the index of a metadist sharded checkpoint")
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in (VERSION, LEGACY_VERSION):
         raise CorruptCheckpointError(f"{where} has format version {doc.get('version')!r}; this "
                                      f"metadist reads version {VERSION}: upgrade metadist")
     if doc.get("byteorder") != sys.byteorder:
@@ -168,7 +246,7 @@ def _decode(doc: Any, where: str) -> Index:
                         _need(p, "start", int, where), _need(p, "stop", int, where),
                         _need(p, "crc32", int, where)) for p in _need(t, "pieces", list, where)]
         pieces.sort(key=lambda p: p.start)
-        _check_cover(key, info, pieces)
+        _check_cover(key, info, pieces, where)
         tensors[key] = (info, pieces)
     files = _need(doc, "files", dict, where)
     objects = _need(files, OBJECTS, dict, where)

@@ -74,6 +74,11 @@ class _Planner:
 
     def _info(self, user: Key, stored: Key, shape: tuple[int, ...]) -> TensorInfo:
         info = self.source.tensors.get(stored)
+        if info is None and stored not in self.source.values:
+            raise CorruptCheckpointError(
+                f"{self.where}: {describe(user)} is missing from the checkpoint (neither its "
+                "tensor nor its value is stored); the checkpoint is corrupted, load another "
+                "checkpoint")
         if info is None:
             found = type(self.source.values.get(stored)).__name__
             raise CheckpointMismatchError(f"{self.where}: {describe(user)} is a {found} in the "

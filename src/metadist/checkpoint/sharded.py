@@ -19,7 +19,6 @@ version directory, untouched: the previous checkpoint stays loadable.
 from __future__ import annotations
 
 import io
-import json
 import zlib
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from metadist.checkpoint import rng
 from metadist.checkpoint.agree import Failure, announce, failure
 from metadist.checkpoint.atomic import durable_file, fsync_dir, remove_tree, write_atomic
 from metadist.checkpoint.capture import Capture, capture
+from metadist.checkpoint.digest import seal_json
 from metadist.checkpoint.entries import Entry
 from metadist.checkpoint.errors import CheckpointError
 from metadist.checkpoint.index import DATA_PREFIX, MARKER, OBJECTS, encode, rank_file
@@ -109,7 +109,7 @@ def _commit(path: Path, version: str, ours: Capture, reports: list[Any], world_s
     fsync_dir(data)
     doc = encode(data=version, world_size=world_size, strategy=strategy, entries=ours.entries,
                  records=records, files=files, objects=(len(blob), zlib.crc32(blob)))
-    write_atomic(path / MARKER, lambda f: f.write(json.dumps(doc, indent=1).encode()))
+    write_atomic(path / MARKER, lambda f: f.write(seal_json(doc)))
     # Committed. Earlier versions and leftovers of interrupted saves are garbage now.
     for child in path.iterdir():
         stale_version = child.name.startswith(DATA_PREFIX) and child.name != version

@@ -4,8 +4,9 @@ Whatever wrote it (strategy, world size, format), a checkpoint is read as: entri
 kind), logical tensors by :data:`~metadist.checkpoint.entries.Key` with their full shape and
 dtype, of which any element range can be read; small values (scalars, non-tensors);
 optimizer hyperparameters; stateful objects' states; plain values; every rank's RNG state.
-Opening reads only metadata; tensor bytes are read on demand (the full format is mapped
-with ``mmap``), so each rank reads just what it will hold.
+Opening reads only metadata, after checking its digest; tensor bytes are read on demand
+(the full format is mapped with ``mmap``), so each rank reads just what it will hold (a full
+file is read once more, whole, to check its digest before torch parses it).
 """
 
 from __future__ import annotations
@@ -18,13 +19,24 @@ from typing import Any
 
 import torch
 
+from metadist.checkpoint.digest import verify_zip
 from metadist.checkpoint.entries import HEADER, KINDS, Key, describe, is_piece_tensor
 from metadist.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from metadist.checkpoint.index import FULL, MARKER, OBJECTS, VERSION, EntryMeta, decode
+from metadist.checkpoint.index import (
+    FULL,
+    LEGACY_VERSION,
+    MARKER,
+    OBJECTS,
+    VERSION,
+    EntryMeta,
+    check_keys,
+    check_layout,
+    decode,
+)
 from metadist.checkpoint.pieces import Piece, PieceReader, TensorInfo, assemble, checksum
 
 
@@ -134,7 +146,21 @@ class ShardedSource(Source):
             raise CorruptCheckpointError(f"{objects_path} fails its size/checksum check: the file "
                                          "is truncated or corrupted; load another checkpoint")
         self._take_objects(_load_torch(io.BytesIO(blob), str(objects_path)))
+        check_keys([*self.tensors, *self.values], self.entries, str(marker))
+        self._check_present(str(marker))
+        check_layout(index, str(marker))
         self._reader = PieceReader(data, index.files)
+
+    def _check_present(self, where: str) -> None:
+        """Every key a module entry lists must have its tensor or value stored."""
+        for name, meta in self.entries.items():
+            for key in meta.keys if meta.kind == "module" else []:
+                stored = self.module_key(name, key)
+                if stored not in self.tensors and stored not in self.values:
+                    raise CorruptCheckpointError(
+                        f"{where}: {describe((name, key))} is listed but missing from the "
+                        "checkpoint (neither its tensor nor its value is stored); the "
+                        "checkpoint is corrupted, load another checkpoint")
 
     def read(self, key: Key, start: int, stop: int, out: torch.Tensor) -> None:
         assemble(key, self.tensors[key], self._pieces[key], self._reader, start, stop, out)
@@ -149,15 +175,35 @@ class FullSource(Source):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, "full")
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as err:
+            raise CorruptCheckpointError(f"cannot read {path}: {err}") from err
+        if magic != b"PK\x03\x04":
+            raise CorruptCheckpointError(
+                f"{path} is not a metadist checkpoint: it is not a zip archive as torch.save "
+                "writes (an older torch pickle, or another kind of file); load a file saved "
+                "by strategy.save(..., format='full')")
+        sealed = verify_zip(path)  # every byte, before torch parses any of them
+        if sealed is False:
+            raise CorruptCheckpointError(
+                f"{path} fails its sha256 check: {_damaged_tensor(path)}; the file is "
+                "corrupted or truncated, load another checkpoint")
         doc = _load_torch(path, str(path), mmap=True)
         header = doc.get(HEADER) if isinstance(doc, dict) else None
         if not isinstance(header, dict) or header.get("format") != FULL:
             raise CorruptCheckpointError(
                 f"{path} is not a metadist checkpoint (it has no {HEADER!r} header); save "
                 "checkpoints with strategy.save, or load this file with torch.load yourself")
-        if header.get("version") != VERSION:
-            raise CorruptCheckpointError(f"{path} has format version {header.get('version')!r};"
-                                         f" this metadist reads version {VERSION}")
+        version = header.get("version")
+        if version not in (VERSION, LEGACY_VERSION):
+            raise CorruptCheckpointError(f"{path} has format version {version!r}; this "
+                                         f"metadist reads version {VERSION}: upgrade metadist")
+        if sealed is None and version != LEGACY_VERSION:
+            raise CorruptCheckpointError(
+                f"{path} lacks its sha256 digest, which format version {version!r} requires: "
+                "the file is corrupted or truncated; load another checkpoint")
         self._data: dict[Key, torch.Tensor] = {}
         self._crc: dict[Key, int] = dict(header.get("crc32", {}))
         self._verified: set[Key] = set()
@@ -216,6 +262,25 @@ class FullSource(Source):
                                              "their checksum: the file is corrupted")
             self._verified.add(key)
         out.copy_(t.reshape(-1)[start:stop])
+
+
+def _damaged_tensor(path: Path) -> str:
+    """Which tensor a digest failure lies in, if the per-tensor CRC-32s can tell (the file
+    is parsed only to word the message; nothing from it is used)."""
+    try:
+        doc = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        header = doc[HEADER]
+        source = FullSource.__new__(FullSource)
+        Source.__init__(source, path, "full")
+        source._data, source._crc = {}, dict(header["crc32"])
+        source._parse(doc, header)
+        for key, t in source._data.items():
+            if key in source._crc and checksum(t) != source._crc[key]:
+                return f"the bytes of {describe(key)} fail their checksum"
+    except Exception:  # too damaged to parse: say so
+        return "its bytes differ from those saved, in the archive's structure"
+    return ("its bytes differ from those saved, outside tensor data (the header, a plain value, "
+            "a hyperparameter or a state)")
 
 
 def open_source(path: Path) -> Source:

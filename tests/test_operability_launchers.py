@@ -66,9 +66,12 @@ def test_run_names_a_rank_that_ended_cleanly_without_the_collective() -> None:
 def test_run_stops_a_hung_job_after_the_timeout() -> None:
     proc, elapsed = _metadist("run", "--nproc", "2", MISBEHAVE, "hang", METADIST_TIMEOUT="3")
     assert proc.returncode == 1, proc.stderr
-    assert re.search(r"origin rank: 0 \(.*\): CollectiveTimeoutError: all_reduce #2 on the "
-                     r"world group did not complete within 3 s on rank 0: rank 1 did not "
-                     "arrive", proc.stderr), proc.stderr
+    # the stuck rank is the origin; the rank that waited for it reported the timeout
+    assert re.search(r"origin rank: 1 \(hung: rank 0 waited for it; .*\)", proc.stderr), \
+        proc.stderr
+    assert re.search(r"rank 0 reported the timeout \(.*\): CollectiveTimeoutError: all_reduce "
+                     r"#2 on the world group did not complete within 3 s on rank 0: rank 1 did "
+                     "not arrive", proc.stderr), proc.stderr
     assert "misbehave.py" in proc.stderr  # where rank 0 waited, and where rank 1 hung
     assert elapsed < 120  # never the 600 s sleep
 

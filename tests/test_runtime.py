@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -139,10 +140,12 @@ def _new_children(before: set[multiprocessing.process.BaseProcess]) -> list[obje
 
 def test_failure_names_the_rank_fast_and_leaves_no_process() -> None:
     before = set(multiprocessing.active_children())  # pools kept by run_on_ranks
-    start = time.monotonic()
-    with pytest.raises(metadist.RankFailedError) as info:
-        metadist.launch(_fail_on_rank_one, 3, timeout=120)
-    elapsed = time.monotonic() - start
+    # Only the job is timed: starting 3 processes on a loaded machine may take long itself.
+    with metadist.RankPool(3, timeout=120) as pool:
+        start = time.monotonic()
+        with pytest.raises(metadist.RankFailedError) as info:
+            pool.run(_fail_on_rank_one, timeout=120)
+        elapsed = time.monotonic() - start
     assert info.value.rank == 1
     assert "deliberate failure on rank 1" in str(info.value)
     assert "_fail_on_rank_one" in info.value.remote_traceback
@@ -151,17 +154,23 @@ def test_failure_names_the_rank_fast_and_leaves_no_process() -> None:
 
 
 def _hang_on_rank_two() -> None:
+    comm.barrier()  # every rank is inside this function before the timeout can matter
     if metadist.world().rank == 2:
-        time.sleep(600)
+        threading.Event().wait()  # hangs for good (never set)
     comm.barrier()
 
 
 def test_hang_is_reported_with_the_stuck_ranks_stack() -> None:
+    # Deterministic under load: start-up has its own generous limit (only the job's 8 s may
+    # expire), the first barrier puts rank 2 inside the function whatever the scheduling, and
+    # the parent waits for each rank's answer that its stacks were written (no fixed sleep).
     before = set(multiprocessing.active_children())
-    with pytest.raises(metadist.LaunchTimeoutError) as info:
-        metadist.launch(_hang_on_rank_two, 3, timeout=8)
-    assert 2 in info.value.ranks
-    assert "_hang_on_rank_two" in info.value.stacks[2]
+    with metadist.RankPool(3, timeout=120) as pool, \
+            pytest.raises(metadist.LaunchTimeoutError) as info:
+        pool.run(_hang_on_rank_two, timeout=8)
+    assert info.value.ranks == [0, 1, 2]
+    assert "_hang_on_rank_two" in info.value.stacks[2], info.value.stacks
+    assert "_hang_on_rank_two" in info.value.stacks[0], info.value.stacks
     assert _new_children(before) == []
 
 

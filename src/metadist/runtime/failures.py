@@ -53,16 +53,19 @@ def one_line(exc_type: str, message: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def write_error_file(summary: str, detail: str, *, secondary: bool, printed: bool) -> None:
+def write_error_file(summary: str, detail: str, *, secondary: bool, printed: bool,
+                     stuck: tuple[int, ...] = ()) -> None:
     """Leave torch elastic's error file (its JSON layout plus a ``metadist`` block); does
-    nothing outside torchrun/``metadist run``."""
+    nothing outside torchrun/``metadist run``. ``stuck``: the ranks a timed-out collective
+    waited for (the hang's origin, though this rank reports it)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
     data = {"message": {"message": summary, "extraInfo": {
         "py_callstack": detail, "timestamp": str(int(now)),
-        "metadist": {"secondary": secondary, "printed": printed, "time": now}}}}
+        "metadist": {"secondary": secondary, "printed": printed, "time": now,
+                     "stuck": list(stuck)}}}}
     try:
         with open(path, "w") as f:
             json.dump(data, f)
@@ -107,11 +110,24 @@ class _Failed:
     secondary: bool
     printed: bool
     when: float
+    stuck: tuple[int, ...] = ()
+
+
+# A process that aborts itself: C++ code (gloo, NCCL, torch) hit a failed check or an uncaught
+# exception, printed why to the rank's stderr and called abort(). Nobody killed it.
+_ABORTED = ("no Python traceback: the process aborted in native code (a failed check in "
+            "gloo, NCCL or torch, e.g. tensors of different sizes on different ranks in one "
+            "collective). The reason is printed above in this rank's output, on a line such as "
+            "\"terminate called after throwing an instance of ...\" followed by \"what(): ...\" "
+            "(search for \"what()\" or \"Fatal Python error: Aborted\"); METADIST_DEBUG=1 "
+            "compares every collective's shapes across ranks before running it")
 
 
 def _read(rank: int, failure: Any) -> _Failed:
     code = int(failure.exitcode)
-    if code < 0:
+    if code == -signal.SIGABRT:
+        how = "aborted itself: signal SIGABRT"
+    elif code < 0:
         try:
             how = f"killed by signal {signal.Signals(-code).name}"
         except ValueError:
@@ -124,7 +140,8 @@ def _read(rank: int, failure: Any) -> _Failed:
         mine = extra.get("metadist", {})
         return _Failed(rank, how, str(message.get("message", "")),
                        str(extra.get("py_callstack", "")), bool(mine.get("secondary", False)),
-                       bool(mine.get("printed", False)), float(mine.get("time", failure.timestamp)))
+                       bool(mine.get("printed", False)), float(mine.get("time", failure.timestamp)),
+                       tuple(int(r) for r in mine.get("stuck", ())))
     text = str(message)
     # torch elastic stops the other workers with SIGTERM once one has failed.
     stopped = code == -signal.SIGTERM
@@ -133,6 +150,8 @@ def _read(rank: int, failure: Any) -> _Failed:
                 "code: see its output)")
     elif stopped:
         text = "stopped by the launcher after another rank failed"
+    elif code == -signal.SIGABRT:
+        text = _ABORTED
     elif code < 0:
         text = "no Python traceback: the process was killed (out of memory, or by a user?)"
     return _Failed(rank, how, text, "", stopped, False, float(failure.timestamp))
@@ -140,17 +159,33 @@ def _read(rank: int, failure: Any) -> _Failed:
 
 def summarize_run_failure(err: Any, script: str) -> str:
     """One report for torch elastic's ``ChildFailedError``: the origin rank (its traceback was
-    printed once above, or is shown here), then one line per other failed rank."""
+    printed once above, or is shown here), then one line per other failed rank. For a
+    collective timeout the origin is the rank(s) that did not arrive, named in the reporting
+    rank's error file (``stuck``), and the reporter follows as "reported the timeout"."""
     rows = [_read(int(rank), failure) for rank, failure in err.failures.items()]
     primary = [r for r in rows if not r.secondary] or rows
     origin = min(primary, key=lambda r: (not r.printed, r.when, r.rank))
-    lines = [f"metadist run: {script} failed",
-             f"  origin rank: {origin.rank} ({origin.how}): {origin.summary}"
-             + (" (printed above)" if origin.printed else "")]
+    lines = [f"metadist run: {script} failed"]
+    shown = {origin.rank}
+    if origin.stuck:
+        # A timeout: the rank that reported it only waited; the ranks it waited for are where
+        # the job hung.
+        by_rank = {r.rank: r for r in rows}
+        for rank in origin.stuck:
+            row = by_rank.get(rank)
+            what = (f"{row.how}): {row.summary}" if row is not None
+                    else "no report from it here: see its node's output)")
+            lines.append(f"  origin rank: {rank} (hung: rank {origin.rank} waited for it; {what}")
+            shown.add(rank)
+        lines.append(f"  rank {origin.rank} reported the timeout ({origin.how}): {origin.summary}"
+                     + (" (printed above)" if origin.printed else ""))
+    else:
+        lines.append(f"  origin rank: {origin.rank} ({origin.how}): {origin.summary}"
+                     + (" (printed above)" if origin.printed else ""))
     if not origin.printed and origin.detail.strip():
         lines += ["    " + line for line in origin.detail.rstrip().splitlines()]
     for row in sorted(rows, key=lambda r: r.rank):
-        if row is not origin:
+        if row.rank not in shown:
             kind = "stopped as a consequence" if row.secondary else "also failed"
             lines.append(f"  rank {row.rank} {kind} ({row.how}): {row.summary}")
     return "\n".join(lines)

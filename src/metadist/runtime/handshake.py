@@ -100,6 +100,13 @@ def _wait_for(store: Any, rank: int, deadline: float) -> Claim | None:
     return Claim.decode(store.get(key))
 
 
+def _wait_seen(store: Any, rank: int, deadline: float) -> None:
+    """Until ``rank`` has read rank 0's claim (at most until ``deadline``): rank 0 may host
+    the store, and leaving at once would cut the other rank off before it names the mismatch."""
+    while not store.check([f"seen/{rank}"]) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+
+
 def check(store: Any, mine: Claim, timeout: float, where: str) -> None:
     """Claim this rank in ``store`` and compare with the others (see the module docstring).
 
@@ -117,6 +124,9 @@ def check(store: Any, mine: Claim, timeout: float, where: str) -> None:
                 f"in within {timeout:g} s; check rank 0's output, or raise {TIMEOUT_VAR} if it "
                 "starts slowly")
         problems = _differences(mine, root)
+        # Rank 0 hosts the store (under most launchers): tell it this rank has read its claim,
+        # so that on a mismatch it stays until this rank can name it too.
+        store.set(f"seen/{mine.rank}", "1")
         if problems:
             _raise_mismatch(mine, root, problems)
         return
@@ -128,6 +138,7 @@ def check(store: Any, mine: Claim, timeout: float, where: str) -> None:
                 theirs = Claim.decode(store.get(str(rank)))
                 problems = _differences(theirs, mine)
                 if problems:
+                    _wait_seen(store, rank, deadline)
                     _raise_mismatch(mine, theirs, problems)
         if missing and time.monotonic() >= deadline:
             ranks = sorted(missing)

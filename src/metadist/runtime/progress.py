@@ -119,6 +119,17 @@ class Progress:
         return not got or got.decode() == str(rank)
 
 
+def _unpublished(entry: Entry, me: int, count: int) -> str:
+    """Why a rank published no progress: a live rank publishes once it has waited in a
+    collective for a while, or when another rank reports, so this one could not."""
+    it, was = ("it", "was") if count == 1 else ("they", "were")
+    reached = (f"{it} had completed #{entry.seq - 1} or later on this group (every collective "
+               f"on it before this one completed on rank {me})" if entry.seq > 1
+               else "this is the group's first collective")
+    return (f"{it} {was} probably stopped (SIGSTOP, a debugger), frozen (swapping, native code "
+            f"holding the GIL) or dead (see {'its' if count == 1 else 'their'} output); {reached}")
+
+
 def explain(entry: Entry, states: dict[int, tuple[int, str] | None] | None, me: int,
             progress: Progress) -> tuple[str, tuple[int, ...]]:
     """Which ranks did not arrive at ``entry`` (or entered something else instead), in words,
@@ -149,9 +160,12 @@ def explain(entry: Entry, states: dict[int, tuple[int, str] | None] | None, me: 
             diverged.setdefault(state[1], []).append(r)
     for state, ranks in sorted(behind.items(), key=lambda kv: kv[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
-        last = (f"last collective on this group: #{state[0]} {state[1]}" if state
-                else "no collective on this group seen from it")
-        parts.append(f"{who} did not arrive ({last})")
+        if state:
+            parts.append(f"{who} did not arrive (last collective on this group: "
+                         f"#{state[0]} {state[1]})")
+        else:
+            parts.append(f"{who} did not arrive and published no progress: "
+                         f"{_unpublished(entry, me, len(ranks))}")
     for op, ranks in sorted(diverged.items(), key=lambda kv: kv[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
         parts.append(f"{who} entered {op} as #{entry.seq} instead: the ranks' programs diverged "

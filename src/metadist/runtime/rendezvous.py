@@ -14,6 +14,9 @@ import datetime
 import ipaddress
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,6 +97,60 @@ def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
             "MASTER_ADDR/MASTER_PORT, and that no firewall blocks the port") from exc
 
 
+FORM_MARGIN_S = 10.0
+"""Seconds past its limit that forming the process group may take before the rank stops
+(gloo's connection retries can otherwise stretch a 25 s limit to minutes)."""
+
+
+def name_resolution_hint(detected: launch_env.LaunchEnv, backend: str) -> str:
+    """Why gloo cannot connect the nodes, when this host's name resolves to a loopback
+    address on a multi-node job and ``GLOO_SOCKET_IFNAME`` does not say where to listen
+    (gloo then listens where no other node can reach it); "" otherwise."""
+    if (backend != "gloo" or detected.num_nodes < 2 or os.environ.get("GLOO_SOCKET_IFNAME")
+            or is_loopback(detected.master_addr)):
+        return ""
+    host = socket.gethostname()
+    if not is_loopback(host):
+        return ""
+    return (f"this host's name {host!r} resolves to a loopback address, so gloo listens where "
+            f"the other nodes of this {detected.num_nodes}-node job cannot connect: set "
+            "GLOO_SOCKET_IFNAME to the network interface that reaches them (e.g. "
+            "GLOO_SOCKET_IFNAME=eth0; `ip -br addr` lists them) on every node, or map the host "
+            "name to its network address in /etc/hosts")
+
+
+def _stop_process(message: str) -> None:
+    from metadist.runtime import watchdog
+
+    watchdog.report_and_exit(RendezvousError.__name__, message)
+
+
+def form_group(create: Callable[[], None], limit: float, failure: Callable[[float, str], str],
+               on_expiry: Callable[[str], None] = _stop_process,
+               margin: float = FORM_MARGIN_S) -> None:
+    """Run ``create`` (``init_process_group``); if it fails, raise a RendezvousError whose
+    message (``failure(seconds waited, note)``) states the real wait. If it has not returned
+    ``margin`` seconds past ``limit``, ``on_expiry`` gets that message: by default it is
+    printed and the process exits (a thread blocked in gloo cannot be interrupted)."""
+    done = threading.Event()
+    start = time.monotonic()
+    bound = limit + margin
+
+    def expire() -> None:
+        if not done.wait(bound):
+            on_expiry(failure(time.monotonic() - start,
+                              f"; stopped at the limit plus a {margin:g} s margin"))
+
+    threading.Thread(target=expire, name="metadist-rendezvous-limit", daemon=True).start()
+    try:
+        create()
+    except Exception as exc:
+        cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise RendezvousError(failure(time.monotonic() - start, f"; {cause}")) from exc
+    finally:
+        done.set()
+
+
 def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
          timeout: float, collective_timeout: float | None = None) -> Progress:
     """``init_process_group`` for ``detected`` within ``timeout`` seconds; returns the
@@ -121,15 +178,21 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
     kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(seconds=limit)}
     if backend == "nccl":
         kwargs["device_id"] = device
-    try:
-        dist.init_process_group(store=pg_store, rank=detected.rank,
-                                world_size=detected.world_size, **kwargs)
-    except Exception as exc:
-        raise RendezvousError(
-            f"rank {detected.rank} reached the rendezvous at {detected.master_addr}:"
-            f"{detected.master_port} but the {backend} process group of {detected.world_size} "
-            f"ranks did not form within {limit:g} s ({exc}); a rank stopped or hung while "
-            f"joining: check the other ranks' output, or raise {TIMEOUT_VAR}") from exc
+    hint = name_resolution_hint(detected, backend)
+    if hint:
+        os.write(2, f"[rank {detected.rank}] metadist warning: {hint}\n".encode())
+
+    def failure(waited: float, cause: str) -> str:
+        return (f"rank {detected.rank} reached the rendezvous at {detected.master_addr}:"
+                f"{detected.master_port} but the {backend} process group of "
+                f"{detected.world_size} ranks did not form: it gave up after waiting "
+                f"{waited:.1f} s (limit {limit:g} s{cause}); "
+                + (hint if hint else "a rank stopped or hung while joining: check the other "
+                   f"ranks' output, or raise {TIMEOUT_VAR}"))
+
+    form_group(lambda: dist.init_process_group(store=pg_store, rank=detected.rank,
+                                               world_size=detected.world_size, **kwargs),
+               limit, failure)
     return Progress(_watch_client(detected, prefix), where)
 
 

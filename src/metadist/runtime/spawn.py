@@ -37,6 +37,9 @@ from metadist.runtime.env import LOOPBACK
 # long to wait for an origin when only secondary errors have arrived so far.
 _GRACE_S = 1.0
 _ORIGIN_WAIT_S = 3.0
+# How long a stuck rank's dump thread may take to write its stacks (a loaded machine can be
+# slow to schedule it; a rank that answers ends the wait at once).
+_DUMP_WAIT_S = 20.0
 
 
 def free_port() -> int:
@@ -98,11 +101,29 @@ def _is_secondary(message: tuple[Any, ...]) -> bool:
     return len(message) > 4 and bool(message[4])
 
 
-def _worker(spec: _Spec, conn: Connection) -> None:
+def _serve_stack_dumps(dumps: Connection, stack_out: Any) -> None:
+    """On each request, write every thread's stack to ``stack_out`` and say so: the parent
+    waits for that answer instead of guessing how long a signal-driven dump takes."""
+    def serve() -> None:
+        while True:
+            try:
+                dumps.recv_bytes()
+                faulthandler.dump_traceback(file=stack_out, all_threads=True)
+                stack_out.flush()
+                dumps.send_bytes(b"dumped")
+            except (EOFError, OSError):
+                return
+
+    threading.Thread(target=serve, name="metadist-stack-dump", daemon=True).start()
+
+
+def _worker(spec: _Spec, conn: Connection, dumps: Connection) -> None:
     """Child entry: join the process group, then run jobs sent by the parent until told to stop."""
     _die_with_parent(spec.parent_pid)
     with open(spec.stack_file, "w") as stack_out:
+        # The signal is the fallback for a rank whose threads cannot run (one holds the GIL).
         faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+        _serve_stack_dumps(dumps, stack_out)
         for key in [k for k in os.environ if k.startswith("TORCHELASTIC_")]:
             del os.environ[key]
         node = spec.rank // spec.local_world_size
@@ -197,6 +218,7 @@ class RankPool:
         threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
         self._stack_dir = tempfile.TemporaryDirectory(prefix="metadist-stacks-")
         self._conns: list[Connection] = []
+        self._dumps: list[Connection] = []  # stack-dump requests, answered by a thread
         self._procs: list[Any] = []
         self._closed = False
         for rank in range(nprocs):
@@ -204,10 +226,14 @@ class RankPool:
                          timeout, threads, os.getpid(),
                          os.path.join(self._stack_dir.name, f"rank{rank}.txt"))
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker, args=(spec, child_end), name=f"metadist-rank{rank}")
+            dump_end, dump_child = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_worker, args=(spec, child_end, dump_child),
+                               name=f"metadist-rank{rank}")
             proc.start()
             child_end.close()
+            dump_child.close()
             self._conns.append(parent_end)
+            self._dumps.append(dump_end)
             self._procs.append(proc)
         self._collect("ready", timeout)
 
@@ -295,13 +321,29 @@ class RankPool:
                     False)
         return None
 
-    def _timeout(self, ranks: list[int], timeout: float) -> NoReturn:
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every rank's Python stacks: asked of its dump thread and awaited (at most
+        ``_DUMP_WAIT_S``), else by SIGUSR1 (faulthandler) for a rank whose threads cannot run."""
+        asked: dict[Connection, int] = {}
         for rank in ranks:
+            with contextlib.suppress(OSError):
+                self._dumps[rank].send_bytes(b"dump")
+                asked[self._dumps[rank]] = rank
+        deadline = time.monotonic() + _DUMP_WAIT_S
+        while asked and time.monotonic() < deadline:
+            ready = wait(list(asked), timeout=max(0.0, deadline - time.monotonic()))
+            for conn in [c for c in asked if c in ready]:
+                with contextlib.suppress(EOFError, OSError):
+                    conn.recv_bytes()
+                del asked[conn]
+        silent = sorted(asked.values())
+        for rank in silent:
             pid = self._procs[rank].pid
             if pid is not None and self._procs[rank].is_alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
-        time.sleep(0.5)
+        if silent:
+            time.sleep(0.5)  # faulthandler writes from the signal handler: no answer to await
         stacks = {}
         for rank in ranks:
             try:
@@ -309,6 +351,10 @@ class RankPool:
                     stacks[rank] = f.read()
             except OSError:
                 stacks[rank] = ""
+        return stacks
+
+    def _timeout(self, ranks: list[int], timeout: float) -> NoReturn:
+        stacks = self._dump_stacks(ranks)
         self.close(force=True)
         raise LaunchTimeoutError(ranks, timeout, stacks)
 
@@ -331,7 +377,7 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in self._conns:
+        for conn in (*self._conns, *self._dumps):
             conn.close()
         self._stack_dir.cleanup()
 

@@ -94,6 +94,7 @@ class Report:
     message: str
     stack: str  # where this rank's training thread was
     secondary: bool
+    stuck: tuple[int, ...] = ()  # the ranks that did not arrive (the hang's origin)
 
 
 def _print_and_record(report: Report) -> None:
@@ -104,7 +105,7 @@ def _print_and_record(report: Report) -> None:
     os.write(2, text.encode(errors="replace"))
     failures.write_error_file(failures.one_line(report.exc_type, report.message),
                               report.message + "\n" + report.stack,
-                              secondary=report.secondary, printed=True)
+                              secondary=report.secondary, printed=True, stuck=report.stuck)
 
 
 _reporter: Callable[[Report], None] = _print_and_record
@@ -118,6 +119,18 @@ def set_reporter(reporter: Callable[[Report], None] | None) -> None:
     ``None`` restores the default (stderr, plus torch elastic's error file)."""
     global _reporter
     _reporter = reporter or _print_and_record
+
+
+def report_and_exit(exc_type: str, message: str, exit_code: int = EXIT_CODE) -> None:
+    """Report ``message`` as the watchdog would (stderr and the error file, or the parent
+    under ``launch``), then exit the process: for a thread that cannot be interrupted."""
+    try:
+        _reporter(Report(exc_type, message, "", False))
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(exit_code)
 
 
 def _seconds(t: float) -> str:
@@ -202,7 +215,7 @@ class Watchdog:
         self.publish(force=True)
         time.sleep(min(3.0, 3 * self.config.tick + 0.1))  # the others publish on their tick
         states = self.progress.read(entry.group.name, entry.group.ranks)
-        text, _ = explain(entry, states, self.rank, self.progress)
+        text, stuck = explain(entry, states, self.rank, self.progress)
         self.progress.mark_reported()
         fix = ("Every rank must issue the same collectives in the same order; if a rank is "
                "legitimately slower here (e.g. it writes a checkpoint alone), raise the limit: "
@@ -210,8 +223,8 @@ class Watchdog:
         message = (f"{entry.op} #{entry.seq} on {entry.group.label} did not complete within "
                    f"{_seconds(self.config.timeout)} on rank {self.rank}: {text}. {fix} "
                    f"Every rank is being stopped (exit status {self.config.exit_code}).")
-        self._die(Report(CollectiveTimeoutError.__name__, message, self._stack()[0], False),
-                  linger=0.3)
+        self._die(Report(CollectiveTimeoutError.__name__, message, self._stack()[0], False,
+                         stuck), linger=0.3)
 
     def _follow(self, record: AbortRecord, waiting: list[Entry]) -> None:
         self.publish(force=True)

@@ -109,6 +109,56 @@ def _check_materialized(model: nn.Module) -> None:
             "module's reset_parameters(), or load_state_dict)")
 
 
+def _split_union(annotation: str) -> list[str]:
+    """``"str | torch.dtype | None"`` -> its alternatives (brackets kept whole)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(annotation):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "|" and depth == 0:
+            parts.append(annotation[start:i].strip())
+            start = i + 1
+    parts.append(annotation[start:].strip())
+    return parts
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# What an option's annotation accepts, and how to say it; an annotation with any other
+# alternative (a policy object, a callable) is left to the option's own checks.
+_OPTION_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (_is_real, "a number"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "torch.dtype": (lambda v: isinstance(v, torch.dtype), "a torch.dtype"),
+    "None": (lambda v: v is None, "None"),
+    "tuple[type[nn.Module], ...]": (
+        lambda v: isinstance(v, (tuple, list)) and all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in v),
+        "a tuple of nn.Module classes (e.g. (nn.TransformerEncoderLayer,))"),
+}
+
+
+def _check_option_type(field: dataclasses.Field[Any], value: Any) -> None:
+    """Raise a TypeError naming the option and the type it takes when ``value`` does not fit
+    ``field``'s annotation (options whose annotation is not plain data are not checked)."""
+    annotation = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    kinds = _split_union(annotation)
+    if not kinds or any(k not in _OPTION_TYPES for k in kinds):
+        return
+    if any(_OPTION_TYPES[k][0](value) for k in kinds):
+        return
+    expected = " or ".join(_OPTION_TYPES[k][1] for k in kinds)
+    default = field.default
+    example = (f"; e.g. {field.name}={default!r} (the default)"
+               if default is not dataclasses.MISSING and default is not None else "")
+    raise TypeError(f"strategy option {field.name} must be {expected} ({annotation}), got "
+                    f"{value!r} of type {type(value).__name__}{example}")
+
+
 @dataclasses.dataclass(frozen=True)
 class StrategyConfig:
     """Options every strategy accepts."""
@@ -125,6 +175,8 @@ class StrategyConfig:
     activation_checkpointing: CheckpointPolicy | None = None
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_option_type(field, getattr(self, field.name))
         # Validates the name; aliases (Betty's "fp16", "bf16", "fp32") become the mode.
         object.__setattr__(self, "precision", Precision(self.precision).mode)
         parse_dtype(self.reduce_dtype)

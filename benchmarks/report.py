@@ -224,7 +224,8 @@ def _header(results: dict[str, Any]) -> list[str]:
             ("mode", "quick (tiny models, 2 steps: checks the pipeline, the figures mean "
                      "nothing)" if s["quick"] else "full (the settings of the README's tables; "
                                                    "each command is below)"),
-            ("world size", f"{s['world'] or 2} (meta: 1 and 2, mapreduce: 2, always)"),
+            ("world size", f"{s['world'] or 2} (meta and betty_compat: 1 and 2, mapreduce: 2, "
+                           "torchopt_compat: 2 and 4, always)"),
             ("torch", m["torch"]), ("metadist", m["metadist"]), ("python", m["python"]),
             ("platform", m["platform"]), ("CPU", m["cpu"]), ("CPU count", m["cpu_count"]),
             ("device", device), ("suite wall time", f"{results.get('seconds', 0):.0f} s")]

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
-              "betty_compat")
+              "betty_compat", "torchopt_compat")
 
 
 class SuiteError(Exception):
@@ -67,6 +67,8 @@ def spec(name: str) -> Spec:
         case "betty_compat":  # Betty in one process, the drop-in also on 2 ranks
             return Spec(name, module, full=("--steps", "100"), world=False, peers=("betty",))
         case "mapreduce":
+            return Spec(name, module, world=False, peers=("torchopt",))
+        case "torchopt_compat":  # whole runs alternate: TorchOpt and the drop-in both start RPC
             return Spec(name, module, world=False, peers=("torchopt",))
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")
 

@@ -57,27 +57,10 @@ def get_world_info() -> WorldInfo:
     return info
 
 
-def get_world_rank() -> int:
-    """Global rank of this process."""
-    return get_world_info().world_rank
-
-
-get_rank = get_world_rank
-
-
-def get_world_size() -> int:
-    """Number of processes in the job."""
-    return get_world_info().world_size
-
-
-def get_local_rank() -> int:
-    """Rank of this process on its node."""
-    return get_world_info().local_rank
-
-
-def get_local_world_size() -> int:
-    """Number of processes on this node."""
-    return get_world_info().local_world_size
+# The plain accessors are metadist's own (the same numbers).
+get_world_rank, get_rank = mr_world.get_world_rank, mr_world.get_rank
+get_world_size, get_local_rank = mr_world.get_world_size, mr_world.get_local_rank
+get_local_world_size = mr_world.get_local_world_size
 
 
 # The function's attributes exist from import on, as in TorchOpt. A launch environment that

@@ -97,6 +97,21 @@ class _Adaptive(Transformation):
         return _write_state(old, new, spec)
 
 
+def _check_moments(t: Any) -> None:
+    """The hyperparameters of Adam-like transformations (lr, betas, eps, weight_decay)."""
+    _check_scalar("lr", t.lr, 0.0)
+    _check_scalar("betas[0]", t.betas[0], 0.0, 1.0)
+    _check_scalar("betas[1]", t.betas[1], 0.0, 1.0)
+    _check_scalar("eps", t.eps, 0.0)
+    _check_scalar("weight_decay", t.weight_decay, 0.0)
+
+
+def _two_moments(params: PyTree, requires_grad: bool) -> tuple[PyTree, PyTree]:
+    """Two zero states shaped like ``params`` (first moment, second moment or norm)."""
+    leaves, spec = _flat(params, "params")
+    return _zeros(leaves, spec, requires_grad), _zeros(leaves, spec, requires_grad)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class RMSProp(_Adaptive):
     """``torch.optim.RMSprop``: ``v = alpha v + (1 - alpha) g^2``, divide by
@@ -256,16 +271,10 @@ class AdaMax(_Adaptive):
     moment_requires_grad: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_scalar("lr", self.lr, 0.0)
-        _check_scalar("betas[0]", self.betas[0], 0.0, 1.0)
-        _check_scalar("betas[1]", self.betas[1], 0.0, 1.0)
-        _check_scalar("eps", self.eps, 0.0)
-        _check_scalar("weight_decay", self.weight_decay, 0.0)
+        _check_moments(self)
 
     def init(self, params: PyTree) -> AdaMaxState:
-        leaves, spec = _flat(params, "params")
-        grad = self.moment_requires_grad
-        return AdaMaxState(0, _zeros(leaves, spec, grad), _zeros(leaves, spec, grad))
+        return AdaMaxState(0, *_two_moments(params, self.moment_requires_grad))
 
     def _step(self, grads: list[Tensor], params: list[Tensor] | None, state: Any,
               spec: TreeSpec) -> tuple[list[Tensor], AdaMaxState]:
@@ -302,16 +311,10 @@ class RAdam(_Adaptive):
     moment_requires_grad: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_scalar("lr", self.lr, 0.0)
-        _check_scalar("betas[0]", self.betas[0], 0.0, 1.0)
-        _check_scalar("betas[1]", self.betas[1], 0.0, 1.0)
-        _check_scalar("eps", self.eps, 0.0)
-        _check_scalar("weight_decay", self.weight_decay, 0.0)
+        _check_moments(self)
 
     def init(self, params: PyTree) -> RAdamState:
-        leaves, spec = _flat(params, "params")
-        grad = self.moment_requires_grad
-        return RAdamState(0, _zeros(leaves, spec, grad), _zeros(leaves, spec, grad))
+        return RAdamState(0, *_two_moments(params, self.moment_requires_grad))
 
     def _step(self, grads: list[Tensor], params: list[Tensor] | None, state: Any,
               spec: TreeSpec) -> tuple[list[Tensor], RAdamState]:

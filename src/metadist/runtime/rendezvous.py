@@ -186,13 +186,13 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
         return (f"rank {detected.rank} reached the rendezvous at {detected.master_addr}:"
                 f"{detected.master_port} but the {backend} process group of "
                 f"{detected.world_size} ranks did not form: it gave up after waiting "
-                f"{waited:.1f} s (limit {limit:g} s{cause}); "
+                f"{waited:.1f} s (limit {timeout:g} s{cause}); "
                 + (hint if hint else "a rank stopped or hung while joining: check the other "
                    f"ranks' output, or raise {TIMEOUT_VAR}"))
 
     form_group(lambda: dist.init_process_group(store=pg_store, rank=detected.rank,
                                                world_size=detected.world_size, **kwargs),
-               limit, failure)
+               timeout, failure)  # the start-up limit: the group's own is only a backstop
     return Progress(_watch_client(detected, prefix), where)
 
 

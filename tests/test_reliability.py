@@ -47,6 +47,45 @@ def test_a_stopped_rank_is_named_with_how_far_it_got() -> None:
     assert "no collective on this group seen from it" not in text
 
 
+def _rank_one_never_arrives() -> None:
+    x = torch.ones(1)
+    comm.all_reduce(x)
+    if metadist.world().rank == 1:
+        threading.Event().wait()  # blocked outside any collective, as a deadlocked rank is
+    comm.all_reduce(x)
+
+
+def test_launch_names_the_rank_that_hung_not_the_one_that_waited() -> None:
+    # Observed: RankFailedError.rank was the rank whose watchdog reported the timeout, and the
+    # hung rank was placed inside threading.py rather than at the user's line.
+    with pytest.raises(metadist.RankFailedError) as info:
+        metadist.launch(_rank_one_never_arrives, 3, timeout=120, collective_timeout=3)
+    err = info.value
+    assert err.rank == 1 and err.hung == (1,) and err.reported_by in (0, 2)
+    assert err.exc_type == "CollectiveTimeoutError"
+    first = str(err).splitlines()[0]
+    assert first.startswith(f"rank 1 hung (rank {err.reported_by} waited for it): ")
+    line = _rank_one_never_arrives.__code__.co_firstlineno + 4  # the Event().wait() line
+    assert first.endswith(f"it was at {__file__}:{line} in _rank_one_never_arrives")
+    assert f"rank {err.reported_by} reported the timeout with CollectiveTimeoutError" in str(err)
+    assert sorted(err.others) == sorted({0, 2} - {err.reported_by})
+
+
+def _rank_one_aborts() -> None:
+    if metadist.world().rank == 1:
+        os.abort()  # what gloo does after printing its "what(): ..." on a failed check
+    comm.all_reduce(torch.ones(1))
+
+
+def test_launch_says_an_aborted_rank_aborted_and_where_its_reason_is() -> None:
+    with pytest.raises(metadist.RankFailedError) as info:
+        metadist.launch(_rank_one_aborts, 2, timeout=120, collective_timeout=30)
+    assert info.value.rank == 1
+    text = str(info.value)
+    assert "rank 1 aborted (signal SIGABRT): no Python traceback" in text
+    assert 'search for "what()"' in text and "exited unexpectedly" not in text
+
+
 def test_unpublished_ranks_at_a_groups_first_collective() -> None:
     entry = Entry(GroupInfo("g", (0, 1, 2), "the world group"), 1, "barrier")
     text, missing = explain(entry, {0: (1, "barrier"), 1: None, 2: None}, 0,

@@ -29,17 +29,27 @@ class WorldMismatchError(RendezvousError):
 class RankFailedError(MetadistError):
     """A rank of a job started by :func:`metadist.launch` raised; carries its traceback.
 
-    ``others`` maps the ranks that failed afterwards, as a consequence, to a one-line summary.
+    ``rank`` is the origin: the rank that raised, or, for a collective timeout, the first
+    rank that did not arrive (``hung`` lists them all; ``reported_by`` is the rank that waited
+    and raised, and ``remote_traceback`` shows where it waited). ``others`` maps the ranks
+    that failed afterwards, as a consequence, to a one-line summary.
     """
 
     def __init__(self, rank: int, exc_type: str, message: str, traceback: str,
-                 others: dict[int, str] | None = None) -> None:
-        self.rank = rank
+                 others: dict[int, str] | None = None, hung: tuple[int, ...] = ()) -> None:
+        self.reported_by = rank
+        self.hung = tuple(hung)
+        self.rank = self.hung[0] if self.hung else rank
         self.exc_type = exc_type
         self.remote_message = message
         self.remote_traceback = traceback
         self.others = dict(others or {})
-        text = f"rank {rank} failed with {exc_type}: {message}"
+        if self.hung:
+            text = "".join(f"rank {r} hung (rank {rank} waited for it): "
+                           f"{self.others.pop(r, 'no report from it')}\n" for r in self.hung)
+            text += f"rank {rank} reported the timeout with {exc_type}: {message}"
+        else:
+            text = f"rank {rank} failed with {exc_type}: {message}"
         if traceback.strip():
             text += f"\n--- traceback of rank {rank} ---\n{traceback.rstrip()}"
         if self.others:

@@ -115,7 +115,7 @@ class _Failed:
 
 # A process that aborts itself: C++ code (gloo, NCCL, torch) hit a failed check or an uncaught
 # exception, printed why to the rank's stderr and called abort(). Nobody killed it.
-_ABORTED = ("no Python traceback: the process aborted in native code (a failed check in "
+ABORTED = ("no Python traceback: the process aborted in native code (a failed check in "
             "gloo, NCCL or torch, e.g. tensors of different sizes on different ranks in one "
             "collective). The reason is printed above in this rank's output, on a line such as "
             "\"terminate called after throwing an instance of ...\" followed by \"what(): ...\" "
@@ -151,7 +151,7 @@ def _read(rank: int, failure: Any) -> _Failed:
     elif stopped:
         text = "stopped by the launcher after another rank failed"
     elif code == -signal.SIGABRT:
-        text = _ABORTED
+        text = ABORTED
     elif code < 0:
         text = "no Python traceback: the process was killed (out of memory, or by a user?)"
     return _Failed(rank, how, text, "", stopped, False, float(failure.timestamp))

@@ -148,7 +148,7 @@ def _worker(spec: _Spec, conn: Connection, dumps: Connection) -> None:
 
         # The watchdog's report reaches the parent before the watchdog exits the process.
         watchdog.set_reporter(lambda r: send(("error", r.exc_type, r.message, r.stack,
-                                              r.secondary)))
+                                              r.secondary, r.stuck)))
         try:
             world.init(spec.backend, timeout=spec.collective_timeout,
                        rendezvous_timeout=spec.startup_timeout)
@@ -293,7 +293,7 @@ class RankPool:
         if failed:
             self.close(force=True)
             # The origin is the first failure that is not a consequence of another one.
-            rank, (_, exc_type, text, tb, *_) = next(
+            rank, (_, exc_type, text, tb, *extra) = next(
                 (f for f in failed if not _is_secondary(f[1])), failed[0])
             others = {r: failures.one_line(m[1], m[2]) for r, m in failed if r != rank}
             # Ranks that had not reported when the grace period ended are stopped here: most
@@ -301,7 +301,9 @@ class RankPool:
             others.update({r: f"stopped by launch() after rank {rank} failed (it had not "
                               "finished; most likely it was waiting for it in a collective)"
                            for r in pending})
-            raise RankFailedError(rank, exc_type, text, tb, others)
+            # A timeout's origin is the rank(s) that did not arrive, not the one that waited.
+            hung = tuple(extra[1]) if len(extra) > 1 and extra[1] else ()
+            raise RankFailedError(rank, exc_type, text, tb, others, hung=hung)
         return results
 
     def _receive(self, rank: int, ready: list[Any]) -> tuple[Any, ...] | None:
@@ -317,8 +319,10 @@ class RankPool:
             code = proc.exitcode
             how = (f"killed by signal {-code}" if code is not None and code < 0
                    else f"exit code {code}")
-            return ("error", "ProcessExited", f"rank {rank} exited unexpectedly ({how})", "",
-                    False)
+            text = f"rank {rank} exited unexpectedly ({how})"
+            if code == -signal.SIGABRT:  # not killed: it aborted itself, and said why
+                text = f"rank {rank} aborted (signal SIGABRT): {failures.ABORTED}"
+            return ("error", "ProcessExited", text, "", False)
         return None
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:

@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import os
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -112,6 +113,8 @@ _reporter: Callable[[Report], None] = _print_and_record
 _MACHINERY = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), d) + os.sep
                    for d in ("comm", "runtime"))
 _BOOTSTRAP = (*_MACHINERY, "<", os.path.dirname(threading.__file__) + os.sep + "multiprocessing")
+# Python's own library: a rank blocked in ``Event.wait`` is better placed by its caller.
+_STDLIB = (sysconfig.get_paths()["stdlib"] + os.sep,)
 
 
 def set_reporter(reporter: Callable[[Report], None] | None) -> None:
@@ -202,7 +205,8 @@ class Watchdog:
             summary.pop()
         while len(summary) > 1 and summary[0].filename.startswith(_BOOTSTRAP):
             summary.pop(0)
-        last = summary[-1]
+        last = next((f for f in reversed(summary) if not f.filename.startswith(_STDLIB)),
+                    summary[-1])
         where = f"{last.filename}:{last.lineno} in {last.name}"
         return "".join(traceback.format_list(summary)), where
 

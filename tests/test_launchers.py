@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -86,12 +85,11 @@ def test_two_nodes_on_loopback_rendezvous_for_real() -> None:
 
 def test_elastic_job_on_one_node_starts_after_the_last_call() -> None:
     # MIN:MAX once meant a static rendezvous waiting for MAX nodes forever.
-    start = time.monotonic()
+    # A rendezvous waiting for the second node would run into the subprocess limit.
     proc = _metadist("run", "--nproc", "1", "--nnodes", "1:2", "--master-port", str(free_port()),
-                     "--last-call", "1", ALLREDUCE, timeout=60)
+                     "--last-call", "1", ALLREDUCE, timeout=90)
     assert proc.returncode == 0, proc.stderr
     assert _results(proc.stdout)[0]["world"] == "1"
-    assert time.monotonic() - start < 60
 
 
 def test_a_node_range_that_cannot_be_is_refused_before_any_worker_starts() -> None:

@@ -209,10 +209,9 @@ def _join(ranks: list[tuple[int, int, str]], hold: str = "") -> list[tuple[int, 
 @pytest.mark.parametrize("sizes", [(2, 3), (3, 2)], ids=["rank1-bigger", "rank0-bigger"])
 def test_ranks_started_for_different_world_sizes_are_named_at_once(
         sizes: tuple[int, int]) -> None:
-    start = time.monotonic()
+    # Named by the handshake, not by a timeout: the expected message below is the
+    # handshake's (a timeout says "did not arrive"), and _join's 60 s wait is a hang guard.
     results = _join([(0, sizes[0], "gloo"), (1, sizes[1], "gloo")])
-    # Far below the 120 s timeout, far above the processes' start-up on a loaded machine.
-    assert time.monotonic() - start < 60, "a mismatch must not wait for the 120 s timeout"
     expected = (f"rank 1 was started for a world of {sizes[1]} ranks but rank 0 for "
                 f"{sizes[0]}: every process must get the same WORLD_SIZE")
     for code, out in results:

@@ -26,22 +26,22 @@ from metadist.runtime.tracker import Entry, GroupInfo, compact_ranks, configure_
 from metadist.testing import is_loopback_address, listening_addresses, run_on_ranks
 
 TIMEOUT = 3.0  # the collective timeout of the hang tests
-STARTUP = 40.0  # generous: process start-up on a busy 2-core box
 
 
 def _new_children(before: set[multiprocessing.process.BaseProcess]) -> list[object]:
     return [p for p in multiprocessing.active_children() if p not in before]
 
 
-def _launch_failing(fn: object, nprocs: int) -> tuple[RankFailedError, float]:
+def _launch_failing(fn: object, nprocs: int) -> RankFailedError:
+    """The error of a job that must fail. No clock: a job that waited for launch()'s own
+    120 s limit would raise LaunchTimeoutError instead, and each test checks which collective
+    error (a timeout at TIMEOUT, or a lost peer seen at once) stopped it."""
     before = set(multiprocessing.active_children())
-    start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         metadist.launch(fn, nprocs, collective_timeout=TIMEOUT, timeout=120,  # type: ignore[arg-type]
                         threads=1)
-    elapsed = time.monotonic() - start
     assert _new_children(before) == [], "a rank outlived launch()"
-    return info.value, elapsed
+    return info.value
 
 
 # ----- the watchdog: skipped collective, dead rank, rank hanging in user code ---------------
@@ -54,13 +54,15 @@ def _skip_second_all_reduce() -> None:
 
 
 def test_a_skipped_collective_times_out_naming_op_call_and_rank() -> None:
-    err, elapsed = _launch_failing(_skip_second_all_reduce, 2)
-    assert (err.rank, err.exc_type) == (0, "CollectiveTimeoutError")
+    err = _launch_failing(_skip_second_all_reduce, 2)
+    # The origin is the rank that did not arrive; rank 0 waited for it and reported.
+    assert (err.rank, err.reported_by, err.exc_type) == (1, 0, "CollectiveTimeoutError")
     assert "all_reduce #2 on the world group did not complete within 3 s" in str(err)
     assert "rank 1 did not arrive (last collective on this group: #1 all_reduce)" in str(err)
+    assert str(err).startswith("rank 1 did not arrive (rank 0 waited for it): it returned "
+                               "from the function without making that call")
     assert "METADIST_TIMEOUT" in str(err)
     assert "_skip_second_all_reduce" in err.remote_traceback  # where rank 0 was waiting
-    assert elapsed < TIMEOUT + STARTUP
 
 
 def _die_between_collectives() -> None:
@@ -72,13 +74,14 @@ def _die_between_collectives() -> None:
 
 
 def test_a_rank_that_dies_mid_step_is_the_origin_and_the_others_say_why() -> None:
-    err, elapsed = _launch_failing(_die_between_collectives, 2)
+    err = _launch_failing(_die_between_collectives, 2)
     assert err.rank == 1 and "rank 1 exited unexpectedly (exit code 3)" in str(err)
     # The survivor's error is secondary: one line, naming the op, the call and the lost rank.
     assert list(err.others) == [0], "the survivor did not explain the lost peer"
     assert "CollectiveFailedError: all_reduce #2 on the world group failed" in err.others[0]
     assert "rank 1 did not arrive" in err.others[0]
-    assert elapsed < STARTUP  # the peer loss is seen at once, not after a timeout
+    # The peer loss is seen at once, not after a timeout.
+    assert "CollectiveTimeoutError" not in err.others[0]
 
 
 def _hang_in_user_code() -> None:
@@ -90,15 +93,14 @@ def _hang_in_user_code() -> None:
 
 
 def test_a_rank_hanging_in_user_code_stops_every_rank_within_the_timeout() -> None:
-    err, elapsed = _launch_failing(_hang_in_user_code, 2)
-    assert (err.rank, err.exc_type) == (0, "CollectiveTimeoutError")
-    assert "all_reduce #2 on the world group" in str(err)
+    err = _launch_failing(_hang_in_user_code, 2)
+    assert (err.rank, err.reported_by, err.exc_type) == (1, 0, "CollectiveTimeoutError")
+    assert "all_reduce #2 on the world group did not complete within 3 s" in str(err)
     assert "rank 1 did not arrive" in str(err)
-    # The hung rank says where it was (its watchdog saw rank 0's report).
-    if 1 in err.others:
-        assert "not in a collective: it was at" in err.others[1]
-        assert "_hang_in_user_code" in err.others[1]
-    assert elapsed < TIMEOUT + STARTUP
+    # The hung rank says where it was (its watchdog saw rank 0's report), in the first line.
+    first = str(err).splitlines()[0]
+    assert first.startswith("rank 1 did not arrive (rank 0 waited for it): ")
+    assert "not in a collective: it was at" in first and "_hang_in_user_code" in first
 
 
 def _abandon_async_handles() -> list[float]:
@@ -180,13 +182,13 @@ def _fail_inside_ddp_training() -> None:
 
 
 def test_a_failure_inside_a_strategy_fails_all_ranks_with_one_traceback() -> None:
-    err, elapsed = _launch_failing(_fail_inside_ddp_training, 2)
+    err = _launch_failing(_fail_inside_ddp_training, 2)
     assert (err.rank, err.exc_type) == (1, "ValueError")
     assert str(err).count("Traceback (most recent call last)") == 1
     assert "_fail_inside_ddp_training" in err.remote_traceback
     # Rank 0, blocked in its all-reduce, is listed too, whether it reported or was stopped.
     assert list(err.others) == [0], err.others
-    assert elapsed < STARTUP
+    assert "CollectiveTimeoutError" not in err.others[0]  # stopped at once, not timed out
 
 
 # ----- debug mode -----------------------------------------------------------------------------
@@ -270,10 +272,8 @@ def test_rendezvous_that_never_completes_fails_within_the_timeout() -> None:
     port = str(free_port())
     for rank, expected in (("0", "waited 1 s at 127.0.0.1"), ("1", "could not reach")):
         detected = detect({"RANK": rank, "WORLD_SIZE": "2", "MASTER_PORT": port})
-        start = time.monotonic()
         with pytest.raises(RendezvousError, match=expected) as info:
             rendezvous.join(detected, "gloo", torch.device("cpu"), 1.0)
-        assert time.monotonic() - start < 15
         assert "MASTER_ADDR" in str(info.value) or "MASTER_PORT" in str(info.value)
 
 

@@ -64,7 +64,8 @@ def test_run_names_a_rank_that_ended_cleanly_without_the_collective() -> None:
 
 
 def test_run_stops_a_hung_job_after_the_timeout() -> None:
-    proc, elapsed = _metadist("run", "--nproc", "2", MISBEHAVE, "hang", METADIST_TIMEOUT="3")
+    # (Never the 600 s sleep: the 180 s subprocess limit would raise first.)
+    proc, _ = _metadist("run", "--nproc", "2", MISBEHAVE, "hang", METADIST_TIMEOUT="3")
     assert proc.returncode == 1, proc.stderr
     # the stuck rank is the origin; the rank that waited for it reported the timeout
     assert re.search(r"origin rank: 1 \(hung: rank 0 waited for it; .*\)", proc.stderr), \
@@ -73,7 +74,6 @@ def test_run_stops_a_hung_job_after_the_timeout() -> None:
                      r"#2 on the world group did not complete within 3 s on rank 0: rank 1 did "
                      "not arrive", proc.stderr), proc.stderr
     assert "misbehave.py" in proc.stderr  # where rank 0 waited, and where rank 1 hung
-    assert elapsed < 120  # never the 600 s sleep
 
 
 def test_env_reports_backends_device_versions_and_variables() -> None:

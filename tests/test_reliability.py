@@ -64,7 +64,7 @@ def test_launch_names_the_rank_that_hung_not_the_one_that_waited() -> None:
     assert err.rank == 1 and err.hung == (1,) and err.reported_by in (0, 2)
     assert err.exc_type == "CollectiveTimeoutError"
     first = str(err).splitlines()[0]
-    assert first.startswith(f"rank 1 hung (rank {err.reported_by} waited for it): ")
+    assert first.startswith(f"rank 1 did not arrive (rank {err.reported_by} waited for it): ")
     line = _rank_one_never_arrives.__code__.co_firstlineno + 4  # the Event().wait() line
     assert first.endswith(f"it was at {__file__}:{line} in _rank_one_never_arrives")
     assert f"rank {err.reported_by} reported the timeout with CollectiveTimeoutError" in str(err)

@@ -45,7 +45,7 @@ class RankFailedError(MetadistError):
         self.remote_traceback = traceback
         self.others = dict(others or {})
         if self.hung:
-            text = "".join(f"rank {r} hung (rank {rank} waited for it): "
+            text = "".join(f"rank {r} did not arrive (rank {rank} waited for it): "
                            f"{self.others.pop(r, 'no report from it')}\n" for r in self.hung)
             text += f"rank {rank} reported the timeout with {exc_type}: {message}"
         else:

@@ -37,6 +37,10 @@ from metadist.runtime.env import LOOPBACK
 # long to wait for an origin when only secondary errors have arrived so far.
 _GRACE_S = 1.0
 _ORIGIN_WAIT_S = 3.0
+# After a timeout, how long to wait for the report of a rank that did not arrive: its watchdog
+# sees the abort on its next tick and waits for the reporter (at most ~6 s) before it reports
+# and exits, and its exit ends the wait at once. Only a rank that cannot run (SIGSTOP) uses it.
+_HUNG_WAIT_S = 10.0
 # How long a stuck rank's dump thread may take to write its stacks (a loaded machine can be
 # slow to schedule it; a rank that answers ends the wait at once).
 _DUMP_WAIT_S = 20.0
@@ -99,6 +103,11 @@ def _describe(exc: BaseException) -> tuple[str, str, str, str, bool]:
 
 def _is_secondary(message: tuple[Any, ...]) -> bool:
     return len(message) > 4 and bool(message[4])
+
+
+def _stuck(message: tuple[Any, ...]) -> tuple[int, ...]:
+    """The ranks a watchdog's timeout report says did not arrive."""
+    return tuple(message[5]) if len(message) > 5 and message[5] else ()
 
 
 def _serve_stack_dumps(dumps: Connection, stack_out: Any) -> None:
@@ -271,8 +280,10 @@ class RankPool:
             limit = deadline
             if failed:
                 origin_known = any(not _is_secondary(m) for _, m in failed)
-                limit = min(deadline, first_failure + (_GRACE_S if origin_known
-                                                       else _ORIGIN_WAIT_S))
+                hung = {r for _, m in failed for r in _stuck(m)}
+                wait_s = (_HUNG_WAIT_S if hung & pending else _GRACE_S if origin_known
+                          else _ORIGIN_WAIT_S)
+                limit = min(deadline, first_failure + wait_s)
             waitables: list[Any] = [self._conns[r] for r in pending]
             waitables += [self._procs[r].sentinel for r in pending]
             ready = wait(waitables, timeout=max(0.0, limit - time.monotonic()))
@@ -301,8 +312,11 @@ class RankPool:
             others.update({r: f"stopped by launch() after rank {rank} failed (it had not "
                               "finished; most likely it was waiting for it in a collective)"
                            for r in pending})
-            # A timeout's origin is the rank(s) that did not arrive, not the one that waited.
-            hung = tuple(extra[1]) if len(extra) > 1 and extra[1] else ()
+            # A timeout's origin is the rank(s) that did not arrive, not the one that waited;
+            # one that finished meanwhile never made the call.
+            hung = _stuck(("error", exc_type, text, tb, *extra))
+            others.update({r: "it returned from the function without making that call"
+                           for r in hung if r not in others and r not in pending})
             raise RankFailedError(rank, exc_type, text, tb, others, hung=hung)
         return results
 

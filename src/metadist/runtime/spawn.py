@@ -280,8 +280,8 @@ class RankPool:
             limit = deadline
             if failed:
                 origin_known = any(not _is_secondary(m) for _, m in failed)
-                hung = {r for _, m in failed for r in _stuck(m)}
-                wait_s = (_HUNG_WAIT_S if hung & pending else _GRACE_S if origin_known
+                absent = {r for _, m in failed for r in _stuck(m)}
+                wait_s = (_HUNG_WAIT_S if absent & pending else _GRACE_S if origin_known
                           else _ORIGIN_WAIT_S)
                 limit = min(deadline, first_failure + wait_s)
             waitables: list[Any] = [self._conns[r] for r in pending]

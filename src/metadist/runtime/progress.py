@@ -109,6 +109,14 @@ class Progress:
     def publish_left(self, rank: int) -> None:
         self._call(lambda s: s.set(f"left/r{rank}", "1"), None)
 
+    def wait_left(self, ranks: tuple[int, ...], limit: float) -> None:
+        """Poll until ``ranks`` have all left cleanly, at most ``limit`` seconds."""
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline and self.available:
+            if len(self.left(ranks)) == len(ranks):
+                return
+            time.sleep(0.05)
+
     def left(self, ranks: tuple[int, ...]) -> set[int]:
         """The ranks among ``ranks`` that left the job cleanly (empty when unknown)."""
         return self._call(lambda s: {r for r in ranks if s.check([f"left/r{r}"])}, set())

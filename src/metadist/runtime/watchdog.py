@@ -276,14 +276,23 @@ def start(config: WatchdogConfig, rank: int, progress: Progress) -> Watchdog:
     return _active
 
 
-def leave() -> None:
+# How long rank 0 waits at shutdown for the other ranks to leave (see leave()).
+_LEAVE_WAIT_S = 10.0
+
+
+def leave(others: tuple[int, ...] = ()) -> None:
     """This rank leaves the job cleanly: publish its last collectives and that it left, so a
     rank still waiting for it can say "rank 1 had already left after its #3 all_reduce"
-    rather than only "did not arrive"."""
+    rather than only "did not arrive". With ``others`` (rank 0, whose process hosts the store
+    under launch, mpirun and srun), wait for them to leave too (at most _LEAVE_WAIT_S): a
+    rank publishing to a store that is gone makes torch print a C++ stack ("sendBytes
+    failed ... Broken pipe") at the end of a successful job."""
     watchdog = _active
     if watchdog is not None and watchdog.progress.available:
         watchdog.publish(force=True)
         watchdog.progress.publish_left(watchdog.rank)
+        if others:
+            watchdog.progress.wait_left(others, _LEAVE_WAIT_S)
 
 
 def _leave_at_exit() -> None:
@@ -293,12 +302,12 @@ def _leave_at_exit() -> None:
         leave()
 
 
-def stop(*, leaving: bool = False) -> None:
+def stop(*, leaving: bool = False, others: tuple[int, ...] = ()) -> None:
     """Stop the watchdog and forget every group's sequence numbers (``leaving``: this rank
-    leaves the job, see :func:`leave`)."""
+    leaves the job, see :func:`leave`, waiting for ``others`` to leave too)."""
     global _active
     if leaving:
-        leave()
+        leave(others)
     watchdog, _active = _active, None
     if watchdog is not None:
         watchdog.stop()

@@ -286,7 +286,10 @@ def shutdown() -> None:
     global _runtime
     with _lock:
         runtime, _runtime = _runtime, None
-        watchdog.stop(leaving=runtime is not None)
+        world = runtime.world if runtime is not None else None
+        # Rank 0 may host the store the others still publish their leaving to.
+        others = tuple(range(1, world.world_size)) if world and world.rank == 0 else ()
+        watchdog.stop(leaving=runtime is not None, others=others)
         if runtime is not None and runtime.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 

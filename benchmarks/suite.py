@@ -31,7 +31,8 @@ from typing import Any, TextIO
 from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
-              "betty_compat", "torchopt_compat")
+              "betty_compat", "torchopt_compat", "real_models", "deferred_init",
+              "compiled")
 
 
 class SuiteError(Exception):
@@ -56,7 +57,7 @@ def spec(name: str) -> Spec:
     match name:
         case "comm":  # the debug-mode overhead too, not only the collectives
             return Spec(name, module, ("--latency",))
-        case "ddp" | "checkpoint":
+        case "ddp" | "checkpoint" | "real_models" | "compiled":
             return Spec(name, module)
         case "precision":  # bf16 is ~20x slower than fp32 on CPUs without bf16 units
             return Spec(name, module, full=("--steps", "3", "--warmup", "1"))
@@ -70,6 +71,8 @@ def spec(name: str) -> Spec:
             return Spec(name, module, world=False, peers=("torchopt",))
         case "torchopt_compat":  # whole runs alternate: TorchOpt and the drop-in both start RPC
             return Spec(name, module, world=False, peers=("torchopt",))
+        case "deferred_init":  # its own world sizes (2 and 4): the peak against model/world
+            return Spec(name, module, world=False)
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")
 
 

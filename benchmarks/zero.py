@@ -14,7 +14,6 @@ of one more (untimed) step of each metadist strategy, next to the ring limit.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -24,11 +23,10 @@ from torch import nn
 import metadist
 from benchmarks.common import (
     Results,
+    alternate,
     output_args,
     parse,
-    rotation,
     run_jobs,
-    timed,
     use_peers,
 )
 from benchmarks.models import param_count, workload, zero3_unit_params
@@ -120,7 +118,7 @@ def _configs(name: str, kinds: list[str], quick: bool) -> dict[str, Config]:
     return out
 
 
-def _traffic(config: Config) -> dict[str, Any]:
+def step_traffic(config: Config) -> dict[str, Any]:
     """Collectives and bytes of one step (outside the timed ones: counting costs a little;
     without the timing barriers, which are not the strategy's)."""
     with stats.counting() as counted:
@@ -134,14 +132,9 @@ def _traffic(config: Config) -> dict[str, Any]:
 def _body(name: str, kinds: list[str], steps: int, warmup: int,
           quick: bool = False) -> dict[str, Any]:
     configs = _configs(name, kinds, quick)
-    samples: dict[str, list[float]] = {k: [] for k in configs}
-    for i in range(warmup + steps):
-        for key in rotation(list(configs), i):
-            t = timed(configs[key].step)
-            if i >= warmup:
-                samples[key].append(t)
-    traffic = {k: _traffic(c) for k, c in configs.items() if k.startswith("metadist")}
-    return {"median": {k: statistics.median(v) for k, v in samples.items()},
+    median = alternate({k: c.step for k, c in configs.items()}, reps=steps, warmup=warmup)
+    traffic = {k: step_traffic(c) for k, c in configs.items() if k.startswith("metadist")}
+    return {"median": median,
             "memory": {k: c.memory() for k, c in configs.items()}, "traffic": traffic,
             "params": param_count(workload(name, quick)[0]())}
 
@@ -154,14 +147,21 @@ ANCHORS = ["torch ZeRO (DDP + ZeroRedundancyOptimizer)", "torch FSDP2 fully_shar
            "FairScale OSS + ShardedDDP", "no-comm bound"]
 
 
-def _formulas(params: int, n: int) -> dict[str, float]:
+def zero_formulas(params: int, n: int) -> dict[str, float]:
     """Per-rank bytes of P+G+O under each ZeRO stage (Adam: O = 2P, all float32)."""
     p_bytes = params * 4
     return {"metadist zero1": p_bytes * (2 + 2 / n), "metadist zero2": p_bytes * (1 + 3 / n),
             "metadist zero3": p_bytes * 4 / n}
 
 
-def _ring_limit(kind: str, params: int, n: int) -> float:
+def against_ring_limit(res: dict[str, Any], kind: str, n: int) -> dict[str, Any]:
+    """``kind``'s measured traffic next to the ring limit of its strategy."""
+    limit = ring_limit(kind, res["params"], n)
+    return {**res["traffic"][kind], "ring_limit_bytes": limit,
+            "wire_over_limit": res["traffic"][kind]["wire_bytes"] / limit}
+
+
+def ring_limit(kind: str, params: int, n: int) -> float:
     """Bytes one rank must send per step: 2P(N-1)/N, 3P(N-1)/N for zero3 (params gathered
     for the forward and again for the backward)."""
     return (3 if kind == "metadist zero3" else 2) * params * 4 * (n - 1) / n
@@ -170,7 +170,7 @@ def _ring_limit(kind: str, params: int, n: int) -> float:
 def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
     """One workload's structured results: per configuration its role, ms, memory against the
     formula and (ours) traffic against the ring limit; every ratio of the table."""
-    med, formulas = res["median"], _formulas(res["params"], n)
+    med, formulas = res["median"], zero_formulas(res["params"], n)
     configs: dict[str, Any] = {}
     for kind, seconds in med.items():
         p, g, o = res["memory"][kind]
@@ -182,9 +182,7 @@ def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
             entry["zero_formula_bytes"] = formulas[kind]
             entry["total_over_formula"] = (p + g + o) / formulas[kind]
         if kind in res["traffic"]:
-            limit = _ring_limit(kind, res["params"], n)
-            entry["traffic"] = {**res["traffic"][kind], "ring_limit_bytes": limit,
-                                "wire_over_limit": res["traffic"][kind]["wire_bytes"] / limit}
+            entry["traffic"] = against_ring_limit(res, kind, n)
         configs[kind] = entry
     ratios = [{"config": kind, "reference": ref, "ratio": med[kind] / med[ref]}
               for kind in med for ref in ANCHORS if ref in med and ref != kind]
@@ -193,7 +191,7 @@ def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
 
 def _report(out: Results, name: str, res: dict[str, Any], kinds: list[str], n: int,
             steps: int) -> None:
-    med, formulas = res["median"], _formulas(res["params"], n)
+    med, formulas = res["median"], zero_formulas(res["params"], n)
     out.heading(f"{name} ({res['params'] / 1e6:.1f}M params), world size {n}, gloo, 1 thread "
                 f"per rank, Adam (medians of {steps}, alternating)")
     rows = []
@@ -210,7 +208,7 @@ def _report(out: Results, name: str, res: dict[str, Any], kinds: list[str], n: i
               key=f"{name} step time and memory")
     rows = []
     for kind, t in res["traffic"].items():
-        limit = _ring_limit(kind, res["params"], n)
+        limit = ring_limit(kind, res["params"], n)
         rows.append((kind, t["calls"], t["payload_bytes"] / 2**20, t["wire_bytes"] / 2**20,
                      limit / 2**20, t["wire_bytes"] / limit))
     if rows:

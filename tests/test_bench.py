@@ -166,14 +166,15 @@ def test_suite_not_found_says_where_it_looked_and_what_to_do(
 @pytest.mark.launcher
 def test_metadist_bench_quick_writes_report_results_and_plots(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    assert cli.main(["bench", "--quick", "--only", "ddp,zero", "--out", str(out)]) == 0
+    assert cli.main(["bench", "--quick", "--only", "ddp,zero,real_models", "--out",
+                     str(out)]) == 0
     text = (out / "report.md").read_text()
     results = json.loads((out / "results.json").read_text())
 
     assert {"command", "machine", "peers", "settings", "benchmarks", "seconds"} <= set(results)
     assert results["command"].startswith("metadist bench") and "--quick" in results["command"]
     assert {"torch", "cpu_count", "date", "device"} <= set(results["machine"])
-    assert list(results["benchmarks"]) == ["ddp", "zero"]
+    assert list(results["benchmarks"]) == ["ddp", "zero", "real_models"]
     for name, entry in results["benchmarks"].items():
         assert entry["status"] == "ok", entry.get("error")
         assert entry["result"]["tables"], f"{name} recorded no tables"
@@ -188,6 +189,10 @@ def test_metadist_bench_quick_writes_report_results_and_plots(tmp_path: Path) ->
         assert _ratio(text, workload, "metadist zero1",
                       "torch ZeRO (DDP + ZeroRedundancyOptimizer)") > 0
         assert _ratio(text, workload, "metadist zero3", "torch FSDP2 fully_shard") > 0
+    assert _ratio(text, "gpt2", "metadist ddp", "torch DDP") > 0  # HuggingFace GPT-2
+    assert _ratio(text, "gpt2", "metadist zero3", "torch FSDP2 fully_shard") > 0
+    gpt2 = results["benchmarks"]["real_models"]["result"]["data"]["workloads"]["gpt2"]
+    assert gpt2["configs"]["metadist zero3"]["total_over_formula"] > 0
     assert re.search(rf"^\| metadist zero3 \| {NUMBER} \| {NUMBER} \| {NUMBER} \| "
                      rf"(?:{NUMBER} \| ){{4}}1\.0\d\d \|$", text, re.M), "zero3 vs formula"
     for png in ("step_ratios.png", "memory_per_rank.png", "traffic.png"):

@@ -37,7 +37,13 @@ from metadist.runtime.world import (
     shutdown,
     world,
 )
-from metadist.strategies import DistributedModule, Strategy, SyncBatchNorm, strategy
+from metadist.strategies import (
+    DistributedModule,
+    Strategy,
+    SyncBatchNorm,
+    deferred_init,
+    strategy,
+)
 
 __version__ = "0.1.0"
 
@@ -72,6 +78,7 @@ __all__ = [
     "checkpoint",
     "comm",
     "cross_node_group",
+    "deferred_init",
     "get_logger",
     "init",
     "is_initialized",

@@ -12,6 +12,7 @@ import atexit
 import gc
 import ipaddress
 import os
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -84,6 +85,10 @@ class _StorageTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        # The storages themselves (weakly), for their size now: a storage resized to zero
+        # (a freed gather buffer) holds nothing, one resized up holds more.
+        self.live: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self.peak = 0  # the most bytes alive at once, after any operator
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -95,7 +100,13 @@ class _StorageTracker(TorchDispatchMode):
                 if storage.data_ptr() in inputs and storage.nbytes():
                     continue
                 self.refs[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
+                self.live[storage._cdata] = weakref.ref(storage)
+        self.peak = max(self.peak, self._now())
         return out
+
+    def _now(self) -> int:
+        # Freed storages are gone at once (reference counting): no collection needed here.
+        return sum(s.nbytes() for ref in self.live.values() if (s := ref()) is not None)
 
     def alive_bytes(self) -> int:
         gc.collect()
@@ -109,6 +120,14 @@ def bytes_kept_by(fn: Callable[[], Any]) -> tuple[Any, int]:
     with _StorageTracker() as tracker:
         out = fn()
     return out, tracker.alive_bytes()
+
+
+def peak_bytes_of(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``(fn(), bytes)``: the most bytes of storages allocated inside ``fn`` that were alive
+    at once (e.g. a sharded setup's peak), measured at every allocation."""
+    with _StorageTracker() as tracker:
+        out = fn()
+    return out, tracker.peak
 
 
 def gather_from_ranks(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -130,7 +130,8 @@ def save_full(strategy: Strategy, path: Path, entries: list[Entry], *, rank: int
         match e.kind:
             case "module":
                 module: nn.Module = e.value
-                gathers = isinstance(module, ShardedModule)  # zero3/hsdp: a collective
+                # zero3/hsdp: a collective, also through a wrapper (torch.compile(model))
+                gathers = any(isinstance(m, ShardedModule) for m in module.modules())
                 contents[e.name] = module.state_dict() if gathers or rank == 0 else None
             case "optimizer":
                 contents[e.name] = _optimizer_state(strategy, e.value, rank)

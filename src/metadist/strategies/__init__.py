@@ -2,6 +2,7 @@
 
 from metadist.strategies import ddp, dp, fsdp, hsdp, single, zero
 from metadist.strategies.base import Strategy, StrategyConfig, available, register, strategy
+from metadist.strategies.deferred import deferred_init
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
@@ -13,6 +14,7 @@ __all__ = [
     "available",
     "convert_sync_batchnorm",
     "ddp",
+    "deferred_init",
     "dp",
     "fsdp",
     "hsdp",

@@ -26,8 +26,10 @@ from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
-from metadist.strategies import ownership
+from metadist.strategies import deferred, grad_norm, ownership
+from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
+from metadist.strategies.options import check_foreign, options_of
 
 if TYPE_CHECKING:  # checkpoint/ imports strategies, so only a lazy import at run time
     from metadist.checkpoint.activation import CheckpointPolicy
@@ -65,19 +67,28 @@ def canonical(name: str) -> str:
 
 
 def strategy(name: str, **options: Any) -> Strategy:
-    """Build a configured strategy: ``metadist.strategy("ddp", bucket_cap_mb=50)``."""
+    """Build a configured strategy: ``metadist.strategy("ddp", bucket_cap_mb=50)``.
+
+    Another strategy's options are accepted, checked and ignored (strategies/options.py),
+    so that switching strategy is a change of name; a name no strategy has raises."""
     key = _ALIASES.get(name, name)
     cls = _REGISTRY.get(key)
     if cls is None:
         raise ValueError(f"strategy {name!r} is not known; choose one of: {', '.join(available())}")
     fields = {f.name for f in dataclasses.fields(cls.Config)}
-    unknown = sorted(set(options) - fields)
+    ordered = sorted(_REGISTRY, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER))
+    owners = options_of((n, _REGISTRY[n].Config) for n in ordered)
+    unknown = sorted(set(options) - fields - set(owners))
     if unknown:
+        others = sorted(set(owners) - fields)
         raise ValueError(
-            f"strategy {key!r} has no option(s) {', '.join(map(repr, unknown))}; valid options: "
-            f"{', '.join(sorted(fields)) or '(none)'}"
-        )
-    return cls(cls.Config(**options))
+            f"strategy {key!r} has no option(s) {', '.join(map(repr, unknown))}, and no other "
+            f"strategy has; valid options: {', '.join(sorted(fields)) or '(none)'}"
+            + (f" (other strategies' options, accepted and ignored here: {', '.join(others)})"
+               if others else ""))
+    for option in sorted(set(options) - fields):
+        check_foreign(key, option, options[option], owners[option])
+    return cls(cls.Config(**{k: v for k, v in options.items() if k in fields}))
 
 
 def _check_optimizer_matches(model: nn.Module, optimizer: Optimizer) -> None:
@@ -106,7 +117,11 @@ def _check_materialized(model: nn.Module) -> None:
             f"{len(empty)} parameter(s) or buffer(s) of the model are on the meta device and "
             f"hold no values (first: {empty[0]!r}); materialize them before setup: "
             "model.to_empty(device=strategy.device), then initialise them (e.g. each "
-            "module's reset_parameters(), or load_state_dict)")
+            "module's reset_parameters(), or load_state_dict); or build the model under "
+            "`with metadist.deferred_init():` and setup materialises it with the values eager "
+            "construction gives (zero3/hsdp one unit at a time). A model built under it and "
+            "then converted outside it (.double(), .to(dtype)) has lost that record: convert "
+            "it inside the block, or after setup")
 
 
 def _split_union(annotation: str) -> list[str]:
@@ -187,6 +202,9 @@ class Strategy(ABC):
 
     name: ClassVar[str] = "?"
     Config: ClassVar[type[StrategyConfig]] = StrategyConfig
+    #: Whether ``_setup_module`` materialises a deferred-init model itself, piece by piece
+    #: (the sharded strategies); otherwise setup materialises it whole first.
+    materializes_by_unit: ClassVar[bool] = False
 
     def __init__(self, config: StrategyConfig) -> None:
         self.config = config
@@ -236,17 +254,29 @@ class Strategy(ABC):
 
     def setup_module(self, model: nn.Module) -> DistributedModule:
         """Apply the precision and activation-checkpointing options, then wrap ``model`` for
-        this strategy (the forward runs under the precision's autocast)."""
-        _check_materialized(model)
+        this strategy (the forward runs under the precision's autocast). A module compiled
+        before setup (``torch.compile(model)``, ``model.compile()``) is set up uncompiled and
+        the set-up model compiled with the same options (see strategies/compile.py)."""
+        model, compiled = take_compile(model)
+        log = deferred.log_of(model)
+        if log is None:
+            _check_materialized(model)
         precision = self.precision
         precision.check()
-        model = precision.convert_module(model)
+        with deferred.recording(log):  # a deferred model converts without allocating
+            model = precision.convert_module(model)
+        if log is not None and not self.materializes_by_unit:
+            deferred.materialize(model, log)
         if self.config.activation_checkpointing is not None:
             from metadist.checkpoint.activation import apply_activation_checkpointing
 
             model = apply_activation_checkpointing(model, self.config.activation_checkpointing)
         module = self._setup_module(model)
         module.precision = precision
+        if compiled is not None:
+            compile_setup(module, compiled)
+        if module.split_gradients():  # torch's clip_grad_norm_ & co. must see the parts
+            grad_norm.track(module)
         ownership.claim(module.parameters(), self.name, self._optimizer_needed())
         return module
 

@@ -29,6 +29,14 @@ class DataParallelModule(DistributedModule):
     def _check_devices(self, args: tuple[Any, ...]) -> None:
         pass  # scatter moves CPU batches to the GPUs itself
 
+    def compile_pieces(self) -> list[nn.Module]:
+        # replicate() copies the module each forward and runs the copies in threads, where
+        # a compiled forward would still be bound to the original module's parameters.
+        raise RuntimeError(
+            "torch.compile of a model set up by strategy 'dp' is not supported (DataParallel "
+            "replicates the module in threads each step); use metadist.strategy('ddp'), one "
+            "process per GPU, and compile as before")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self._scatter_apply, args, kwargs)
 

@@ -102,10 +102,15 @@ class FlatParam:
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
         with torch.no_grad():
-            full = torch.zeros(self.padded, dtype=dtype, device=device)
+            # Only this rank's range is copied: the whole unit is never assembled a second
+            # time (setup's peak, and a deferred-init model's, stays one unit above shards).
+            shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
+            lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
             for slot, p in zip(slots, originals, strict=True):
-                full[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-            shard = full[rank * self.shard_size:(rank + 1) * self.shard_size].clone()
+                start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if start < stop:
+                    piece = p.detach().reshape(-1)[start - slot.offset:stop - slot.offset]
+                    shard[start - lo:stop - lo].copy_(piece)
             if offload:
                 shard = shard.cpu().pin_memory() if device.type == "cuda" else shard.cpu()
         self.shard = nn.Parameter(shard, requires_grad=originals[0].requires_grad)
@@ -283,7 +288,10 @@ class FlatParam:
 
     def accumulate(self, reduced: torch.Tensor) -> None:
         """Add a reduced (summed, not yet averaged) shard gradient into ``shard.grad``."""
-        value = reduced.to(self.shard.device, self.shard.dtype, non_blocking=True)
+        # Non-blocking only towards the device: a device-to-host copy (cpu_offload) must be
+        # complete before the CPU arithmetic below reads it, and nothing orders the two.
+        value = reduced.to(self.shard.device, self.shard.dtype,
+                           non_blocking=self.shard.device.type != "cpu")
         if self.shard.grad is None:
             self.shard.grad = value.mul_(1.0 / self.total)
         else:

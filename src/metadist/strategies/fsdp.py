@@ -38,11 +38,13 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_leaves
 
-from metadist.comm import fused
 from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
+from metadist.strategies import grad_norm
 from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.compile import eager, pieces
 from metadist.strategies.ddp import move_optimizer_state
+from metadist.strategies.deferred import DeferredSetup, broadcast_state
 from metadist.strategies.flat import (
     BackwardCoordinator,
     FlatLayout,
@@ -50,15 +52,17 @@ from metadist.strategies.flat import (
     Slot,
     reduced_shard_grads,
 )
+from metadist.strategies.grad_norm import Split
 from metadist.strategies.module import (
     DistributedModule,
     explicit_parameters,
     explicit_parameters_active,
 )
 from metadist.strategies.sharded_optim import shard_optimizer
+from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
 from metadist.strategies.units import BackwardHolds, Unit, after_input_grads, in_backward
-from metadist.strategies.wrap import UnitPlan, plan_units, state_dict_key
+from metadist.strategies.wrap import UnitPlan, plan_units
 from metadist.strategies.zero import clip_sharded_grads
 
 
@@ -110,11 +114,12 @@ class ShardedModule(DistributedModule):
                     if flat.shard.requires_grad:
                         flat.on_reduce = partial(self._release_frozen, unit)
             for member in unit.modules:
+                # eager: never traced, also where a user compiled a module around them
                 self._handles.append(member.register_forward_pre_hook(
-                    lambda m, args, kwargs, unit=unit: self._before(unit, args, kwargs),
+                    eager(lambda m, args, kwargs, unit=unit: self._before(unit, args, kwargs)),
                     with_kwargs=True))
                 self._handles.append(member.register_forward_hook(
-                    lambda m, args, out, unit=unit: self._after(unit, m, out),
+                    eager(lambda m, args, out, unit=unit: self._after(unit, m, out)),
                     always_call=True))  # an exception must not leave the unit running
 
     # ----- forward and backward hooks -------------------------------------------------
@@ -262,6 +267,12 @@ class ShardedModule(DistributedModule):
         the global gradient; nothing else computes this, so it is zero3/hsdp-only code."""
         return reduced_shard_grads()
 
+    def compile_pieces(self) -> list[nn.Module]:
+        """Each unit's member module, and the modules holding root-unit parameters: the
+        gathers and frees around a member's forward stay out of the compiled code."""
+        return pieces(self.module, {m for unit in self.units if not unit.is_root
+                                    for m in unit.modules})
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_shards_in_place()
         out = super().forward(*args, **kwargs)
@@ -361,46 +372,13 @@ class ShardedModule(DistributedModule):
                 flat.release()
         return out
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Full parameters (gathered: collective) and buffers, keyed as the user's module."""
-        out: dict[str, Any] = {}
-        for flat in self.flats:
-            was_gathered = flat.gathered
-            full = flat.unsharded(False)
-            for slot, view in zip(flat.slots, flat.views(full), strict=True):
-                value = view.detach().to(flat.shard.dtype).clone()
-                for name in (slot.fqn, *slot.aliases):  # tied weights: one entry per name
-                    out[state_dict_key(name)] = value
-            if not was_gathered and flat.live <= 0:
-                flat.release()
-        out.update((state_dict_key(n), b.detach().clone())
-                   for n, b in self.module.named_buffers())
-        return out
+    # state_dict/load_state_dict: DistributedModule's, on the user's module, whose modules
+    # get their parameters back from the shards through strategies/state_dict.py's hooks.
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
-                        assign: bool = False) -> Any:
-        names = {state_dict_key(n) for flat in self.flats for s in flat.slots
-                 for n in (s.fqn, *s.aliases)}
-        buffers = {state_dict_key(n): b for n, b in self.module.named_buffers()}
-        missing = sorted((names | set(buffers)) - set(state_dict))
-        unexpected = sorted(set(state_dict) - names - set(buffers))
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected {unexpected}")
-        with torch.no_grad():
-            for flat in self.flats:
-                full = torch.zeros(flat.padded, dtype=flat.shard.dtype)
-                for slot in flat.slots:
-                    key = state_dict_key(slot.fqn)
-                    if key in state_dict:
-                        full[slot.offset:slot.offset + slot.numel] = (
-                            state_dict[key].detach().reshape(-1).cpu())
-                lo = flat.rank * flat.shard_size
-                flat.shard.copy_(full[lo:lo + flat.shard_size])
-            for name, buf in buffers.items():
-                if name in state_dict:
-                    buf.copy_(state_dict[name])
-        self.after_step()
-        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+    def split_gradients(self) -> dict[torch.Tensor, Split]:
+        """Each shard's gradient is this rank's slice of its flat's gradient."""
+        return {flat.shard: Split(flat.group) for flat in self.flats
+                if flat.shard.requires_grad}
 
 
 @register("zero3", "fsdp")
@@ -409,6 +387,7 @@ class Zero3Strategy(Strategy):
 
     Config = FSDPConfig
     config: FSDPConfig
+    materializes_by_unit = True
 
     def __init__(self, config: StrategyConfig) -> None:
         super().__init__(config)
@@ -428,18 +407,24 @@ class Zero3Strategy(Strategy):
     def _setup_module(self, model: nn.Module) -> ShardedModule:
         if self.config.sync_batchnorm:
             model = convert_sync_batchnorm(model)
-        model = model.to(self.device)
-        state = [*model.parameters(), *model.buffers()]
-        if state:
-            with torch.no_grad():
-                fused.fused_broadcast([t.data for t in state], src=0)
+        deferred = DeferredSetup.of(model, self.device)
+        if deferred is None:
+            model = model.to(self.device)
+            broadcast_state([*model.parameters(), *model.buffers()])
         shard_group, replicate_group = self.groups()
         coordinator = BackwardCoordinator()
         units = []
+        order = parameter_order(model)  # before the flats take the parameters out
         plans = plan_units(model, self.config.min_unit_params, tuple(self.config.wrap_classes))
         for plan in plans:
+            if deferred is not None:  # only this unit whole at a time: its shards stay
+                deferred.materialize([p for _, _, p, _ in plan.params])
             units.append(Unit(plan, self._flats(plan, shard_group, replicate_group, coordinator)))
-        return ShardedModule(model, units, self.config)
+        sharded = ShardedModule(model, units, self.config)
+        # kept alive by the hooks it registers on the user's modules
+        hooks = ShardedStateDict(model, sharded.flats, order, sharded.after_step)
+        grad_norm.emptied(hooks.own)
+        return sharded
 
     def _flats(self, plan: UnitPlan, group: Group, replicate: Group,
                coordinator: BackwardCoordinator) -> list[FlatParam]:

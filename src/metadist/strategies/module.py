@@ -9,6 +9,7 @@ runs the module with any such dictionary (e.g. weights adapted in an inner loop)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -19,6 +20,8 @@ from torch import nn
 from torch.func import functional_call
 
 from metadist.precision import Precision
+from metadist.strategies.compile import call, compile_call, pieces
+from metadist.strategies.grad_norm import Split
 
 _EXPLICIT: ContextVar[bool] = ContextVar("metadist_explicit_parameters", default=False)
 
@@ -50,6 +53,10 @@ class DistributedModule(nn.Module):
         self._probe: list[torch.Tensor | None] | None = None  # a list: no submodule registration
         #: (name, owning module, local name, parameter) of every parameter, for full_parameters
         self._param_slots: list[tuple[str, nn.Module, str, Any]] | None = None
+        #: loads through a parent in progress: (prefix, torch's error list, its length before)
+        self._loading: list[tuple[str, list[str], int]] = []
+        self._register_load_state_dict_pre_hook(DistributedModule._nest_keys, with_module=True)
+        self.register_load_state_dict_post_hook(DistributedModule._unnest_keys)
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the user's module (``model.vocab_size``, ``model.encode(...)``) read
@@ -112,6 +119,20 @@ class DistributedModule(nn.Module):
         self.pre_forward()
         return self.run(self.module, args, kwargs)
 
+    # torch.compile: the strategy's work stays eager, compile_pieces() are compiled
+    __call__ = call
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``torch.compile`` this model in place (``nn.Module.compile``), with metadist's
+        compile boundaries (docs/compile.md)."""
+        compile_call(self, lambda fn: torch.compile(fn, *args, **kwargs))
+
+    def compile_pieces(self) -> list[nn.Module]:
+        """The modules whose forward runs compiled when this model is compiled (see
+        strategies/compile.py): the user's module whole, where the strategy has no work
+        inside it (bar layers that run eagerly, e.g. SyncBatchNorm)."""
+        return pieces(self.module, set())
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter of the user's module, by its own name, as a tensor that
         gradients flow through back to what the optimizer steps."""
@@ -155,9 +176,44 @@ class DistributedModule(nn.Module):
             return self.run(lambda *a, **k: functional_call(self.module, dict(params), a, k),
                             args, kwargs)
 
+    def split_gradients(self) -> dict[torch.Tensor, Split]:
+        """Parameters whose ``.grad`` on this rank is only a part of the gradient one process
+        computes, and how the parts add up (zero2, zero3, hsdp); torch's gradient utilities
+        read it (strategies/grad_norm.py). Default: none, every gradient is whole."""
+        return {}
+
+    # ----- state dicts: the user's module's, also when this module sits in another ------
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        # A parent's state_dict calls this with its destination and prefix: the entries are
+        # the user's module's under that prefix, as if it sat there itself.
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
+        self.wait_params()  # a refresh in flight must not land on the loaded values
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _nest_keys(self, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+                   strict: bool, missing: list[str], unexpected: list[str],
+                   error_msgs: list[str]) -> None:
+        """Pre-hook of a load through a parent (``outer.load_state_dict``, a compiled
+        model's): torch walks into ``self.module`` under ``prefix + "module."``, while the
+        keys, as :meth:`state_dict` writes them, sit right under ``prefix``."""
+        self.wait_params()
+        inner = prefix + "module."
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+        self._loading.append((prefix, error_msgs, len(error_msgs)))
+
+    def _unnest_keys(self, incompatible: Any) -> None:
+        """Post-hook of that load: report keys as the dict spells them, and nothing about
+        this wrapper's own machinery (zero3's ``shards``)."""
+        prefix, error_msgs, start = self._loading.pop()
+        inner = prefix + "module."
+        machinery = tuple(f"{prefix}{name}." for name in self._modules if name != "module")
+        for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+            keys[:] = [prefix + k[len(inner):] if k.startswith(inner) else k
+                       for k in keys if not k.startswith(machinery)]
+        for i in range(start, len(error_msgs)):
+            error_msgs[i] = re.sub(rf"(?<![\w.]){re.escape(inner)}", lambda _: prefix,
+                                   error_msgs[i])

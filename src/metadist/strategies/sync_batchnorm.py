@@ -22,6 +22,10 @@ from metadist.runtime.world import Group
 class SyncBatchNorm(_BatchNorm):
     """BatchNorm over the batch of every rank in ``group`` (any input with channels in dim 1)."""
 
+    #: torch.compile runs it eagerly (strategies/compile.py): Dynamo must not trace its
+    #: collective, whose graph would replay one step's sizes and group.
+    compile_eagerly = True
+
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
                  group: Group = None, device: torch.device | None = None,

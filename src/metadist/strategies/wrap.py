@@ -30,8 +30,12 @@ def state_dict_key(name: str) -> str:
     return f".{name}".replace(f".{CHECKPOINTED}.", ".")[1:]
 
 
+def is_checkpoint_wrapper(m: nn.Module) -> bool:
+    return bool(getattr(m, "is_checkpoint_wrapper", False))
+
+
 def _inside_wrapper(m: nn.Module) -> nn.Module:
-    inner = m._modules.get(CHECKPOINTED) if getattr(m, "is_checkpoint_wrapper", False) else None
+    inner = m._modules.get(CHECKPOINTED) if is_checkpoint_wrapper(m) else None
     return inner if inner is not None else m
 
 
@@ -48,7 +52,7 @@ class UnitPlan:
 # of a unit formed from one would never fire, so its parameters would never be gathered.
 # They are never a unit nor part of a run; their children are, and what is left of them
 # stays with the parent.
-_NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _direct_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
@@ -92,7 +96,7 @@ def plan_units(root: nn.Module, min_params: int,
     def visit(m: nn.Module) -> None:
         for child in m.children():
             visit(child)
-        runs = not isinstance(m, _NO_FORWARD)
+        runs = not isinstance(m, NO_FORWARD)
         if m is not root and runs and ((classes and isinstance(m, classes))
                                        or (not classes and free(m) >= min_params)):
             claim([m])
@@ -103,7 +107,7 @@ def plan_units(root: nn.Module, min_params: int,
         total = 0
         for child in m.children():
             size = free(child)
-            if size and isinstance(child, _NO_FORWARD):
+            if size and isinstance(child, NO_FORWARD):
                 group, total = [], 0  # its leftovers stay with m, and m runs them in between
                 continue
             if size == 0:

@@ -29,6 +29,7 @@ from metadist.runtime.world import Group
 from metadist.strategies.base import register
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.ddp import DDPConfig, DDPStrategy, ReplicatedModule, prepare_replicated
+from metadist.strategies.grad_norm import Split
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.sharded_optim import (
     OptimizerLayout,
@@ -214,10 +215,19 @@ class ZeroModule(ReplicatedModule):
                 if mine:
                     m.register_forward_pre_hook(lambda _m, _a, mine=mine: gather.wait_for(mine))
             module.register_state_dict_pre_hook(lambda *_: gather.wait())
+            module.register_load_state_dict_pre_hook(lambda *_: gather.wait())
 
     def wait_params(self) -> None:
         if self.gather is not None:
             self.gather.wait()
+
+    def split_gradients(self) -> dict[torch.Tensor, Split]:
+        """zero2: each gradient is kept by the rank that owns its parameter only."""
+        if self.reducer is None or all(b.owner is None for b in self.reducer.buckets):
+            return {}  # zero1: gradients all-reduced, whole on every rank
+        rank = ops.group_info(None)[2]
+        return {p: Split(None, mine=owner == rank, shard=False)
+                for p, owner in self.owners.items()}
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         self.wait_params()  # model.parameters() after step() must not see pre-step values

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import metadist
-from metadist.checkpoint.activation import (
+from metadist.strategies.activation import (
     CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from metadist import checkpoint
 from metadist.comm import ops
 from metadist.meta.bilevel import record_last_grads, upper_gradient, weighted
 from metadist.meta.config import EngineConfig
@@ -91,9 +90,6 @@ class Engine:
         self._logging = cfg.logger_type != "none" and cfg.log_step > 0
         overridden = type(self).validation is not Engine.validation
         self._validates = cfg.valid_step > 0 and overridden
-        if (cfg.checkpoint_step or cfg.resume_from) and not hasattr(checkpoint, "save"):
-            raise RuntimeError("checkpointing needs metadist.checkpoint.save, which this build "
-                               "lacks; drop checkpoint_step/resume_from")
         for p in self.problems.values():
             if overridden and self.world.rank == 0:
                 # Before setup, while the module is whole: rank 0 validates on this copy.

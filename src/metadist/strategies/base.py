@@ -14,7 +14,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -27,12 +27,10 @@ from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
 from metadist.strategies import deferred, grad_norm, ownership
+from metadist.strategies.activation import CheckpointPolicy, apply_activation_checkpointing
 from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.options import check_foreign, options_of
-
-if TYPE_CHECKING:  # checkpoint/ imports strategies, so only a lazy import at run time
-    from metadist.checkpoint.activation import CheckpointPolicy
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _ALIASES: dict[str, str] = {}
@@ -268,8 +266,6 @@ class Strategy(ABC):
         if log is not None and not self.materializes_by_unit:
             deferred.materialize(model, log)
         if self.config.activation_checkpointing is not None:
-            from metadist.checkpoint.activation import apply_activation_checkpointing
-
             model = apply_activation_checkpointing(model, self.config.activation_checkpointing)
         module = self._setup_module(model)
         module.precision = precision

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-#: The attribute of checkpoint/activation.py's wrapper that holds the wrapped module. A unit is
+#: The attribute of strategies/activation.py's wrapper that holds the wrapped module. A unit is
 #: formed from the wrapped module, never from the wrapper: recomputation in backward reruns
 #: only what is inside the wrapper, so the unit's gather hooks must sit inside it too.
 CHECKPOINTED = "checkpointed"

@@ -1,0 +1,162 @@
+"""Activation checkpointing: keep only a block's inputs in forward, recompute its activations
+in backward. Trades one extra forward of the wrapped blocks for their activation memory.
+
+``checkpoint_wrapper(module)`` wraps one module; the strategy option
+``activation_checkpointing=`` (a module class, a tuple of classes, or a predicate) wraps every
+matching submodule before the strategy lays out its parameters. That order matters for
+zero3/hsdp: the wrapper sits *inside* the sharding unit, so the recomputation in backward runs
+the unit's forward hooks again, which gather the unit's shards just as the first forward did.
+
+Non-reentrant checkpointing (``use_reentrant=False``) is used because it supports
+``torch.autograd.grad``, double backward and inputs that do not require grad, which inner
+loops of meta-learning rely on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from metadist.strategies.module import explicit_parameters, explicit_parameters_active
+from metadist.strategies.wrap import CHECKPOINTED
+
+ModulePredicate = Callable[[nn.Module], bool]
+CheckpointPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | ModulePredicate
+
+
+class CheckpointWrapper(nn.Module):
+    """Runs ``module`` under activation checkpointing; state-dict keys stay the module's own."""
+
+    is_checkpoint_wrapper = True  # what strategies/wrap.py looks for
+
+    def __init__(self, module: nn.Module, *, preserve_rng_state: bool = True) -> None:
+        super().__init__()
+        if isinstance(module, CheckpointWrapper):
+            raise ValueError("this module is already wrapped by checkpoint_wrapper")
+        self.checkpointed = module  # attribute name: strategies.wrap.CHECKPOINTED
+        self.preserve_rng_state = preserve_rng_state
+        # The wrapper is invisible in state dicts: "block.checkpointed.w" is saved as
+        # "block.w", so checkpoints load with and without activation checkpointing.
+        self._register_state_dict_hook(_strip_prefix)
+        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Recomputation runs in backward, after a functional forward (fast weights of an
+        # inner loop) has restored the module's own parameters. Capture what this forward
+        # ran with and rebind exactly that for the recomputation, or the gradients would be
+        # those of the wrong weights.
+        explicit = explicit_parameters_active()
+        bindings = _bindings(self.checkpointed) if explicit else []
+
+        def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+            return nullcontext(), _Rebound(bindings, explicit)
+
+        return checkpoint(self.checkpointed, *args, use_reentrant=False,
+                          preserve_rng_state=self.preserve_rng_state, context_fn=contexts,
+                          **kwargs)
+
+
+Binding = tuple[dict[str, Any], str, Any]  # (the dict that holds it, name, tensor)
+
+
+def _bindings(module: nn.Module) -> list[Binding]:
+    """Every tensor the subtree's forward reads by attribute: parameters and buffers, also
+    those replaced by plain tensors (functional_call, zero3's gathered views)."""
+    out: list[Binding] = []
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            out.extend((store, name, t) for name, t in store.items() if t is not None)
+        out.extend((m.__dict__, name, t) for name, t in m.__dict__.items()
+                   if isinstance(t, torch.Tensor))
+    return out
+
+
+class _Rebound:
+    """Re-enterable (a graph may be recomputed more than once, e.g. in double backward):
+    binds the captured tensors and the explicit-parameters state, restores both on exit."""
+
+    def __init__(self, bindings: list[Binding], explicit: bool) -> None:
+        self.bindings, self.explicit = bindings, explicit
+        self._stack: list[tuple[list[Binding], AbstractContextManager[None]]] = []
+
+    def __enter__(self) -> None:
+        previous = [(store, name, store.get(name)) for store, name, _ in self.bindings]
+        for store, name, t in self.bindings:
+            store[name] = t
+        state = explicit_parameters(self.explicit)
+        state.__enter__()
+        self._stack.append((previous, state))
+
+    def __exit__(self, *exc: object) -> None:
+        previous, state = self._stack.pop()
+        state.__exit__(None, None, None)
+        for store, name, t in reversed(previous):
+            if t is None:
+                store.pop(name, None)
+            else:
+                store[name] = t
+
+
+_PREFIX = CHECKPOINTED + "."
+
+
+def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str,
+                  local_metadata: Any) -> dict[str, Any]:
+    inner = prefix + _PREFIX
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner):]] = state.pop(key)
+    return state
+
+
+def _add_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)]:
+        state[prefix + _PREFIX + key[len(prefix):]] = state.pop(key)
+
+
+def checkpoint_wrapper(module: nn.Module, *, preserve_rng_state: bool = True
+                       ) -> CheckpointWrapper:
+    """Wrap ``module`` so its activations are recomputed in backward instead of stored."""
+    return CheckpointWrapper(module, preserve_rng_state=preserve_rng_state)
+
+
+def _matcher(policy: CheckpointPolicy) -> ModulePredicate:
+    if isinstance(policy, type) and issubclass(policy, nn.Module):
+        return lambda m: isinstance(m, policy)
+    if isinstance(policy, tuple) and policy and all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in policy):
+        return lambda m: isinstance(m, policy)
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    raise TypeError(f"activation_checkpointing takes a module class, a tuple of classes or a "
+                    f"predicate module -> bool; got {policy!r}")
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -> nn.Module:
+    """Wrap every submodule of ``model`` that ``policy`` selects (outermost match wins, the
+    root itself is never wrapped); returns ``model``. Raises if nothing matches, since a
+    silently ignored policy would cost the memory the user meant to save."""
+    match = _matcher(policy)
+    wrapped = 0
+
+    def visit(parent: nn.Module) -> None:
+        nonlocal wrapped
+        for name, child in list(parent.named_children()):
+            if isinstance(child, CheckpointWrapper):
+                continue
+            if match(child):
+                setattr(parent, name, checkpoint_wrapper(child))
+                wrapped += 1
+            else:
+                visit(child)
+
+    visit(model)
+    if wrapped == 0:
+        raise ValueError(f"activation_checkpointing={policy!r} matched no submodule of "
+                         f"{type(model).__name__}; pass the class of its repeated blocks "
+                         "(e.g. the transformer layer) or a predicate that selects them")
+    return model

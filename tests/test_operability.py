@@ -22,7 +22,7 @@ from metadist.runtime import failures, rendezvous, watchdog
 from metadist.runtime.env import detect
 from metadist.runtime.progress import Progress, explain
 from metadist.runtime.spawn import free_port
-from metadist.runtime.tracker import Entry, GroupInfo, compact_ranks, configure_debug
+from metadist.runtime.tracker import CollectiveCall, GroupInfo, compact_ranks, configure_debug
 from metadist.testing import is_loopback_address, listening_addresses, run_on_ranks
 
 TIMEOUT = 3.0  # the collective timeout of the hang tests
@@ -296,7 +296,7 @@ def test_timeout_comes_from_init_then_environment_then_default(
 
 def test_missing_ranks_are_named_compactly() -> None:
     group = GroupInfo("0", tuple(range(6)), "the world group")
-    entry = Entry(group, 5, "all_gather")
+    entry = CollectiveCall(group, 5, "all_gather")
     states: dict[int, tuple[int, str] | None] = {
         0: (5, "all_gather"), 1: (4, "broadcast"), 2: (4, "broadcast"), 3: (4, "broadcast"),
         4: None, 5: (5, "barrier")}

@@ -24,7 +24,7 @@ from metadist.errors import RendezvousError
 from metadist.runtime import failures, rendezvous, watchdog
 from metadist.runtime.env import LaunchEnv
 from metadist.runtime.progress import Progress, explain
-from metadist.runtime.tracker import Entry, GroupInfo
+from metadist.runtime.tracker import CollectiveCall, GroupInfo
 
 # ----- a rank that stopped publishing: stopped, frozen or dead ------------------------------
 
@@ -87,7 +87,7 @@ def test_launch_says_an_aborted_rank_aborted_and_where_its_reason_is() -> None:
 
 
 def test_unpublished_ranks_at_a_groups_first_collective() -> None:
-    entry = Entry(GroupInfo("g", (0, 1, 2), "the world group"), 1, "barrier")
+    entry = CollectiveCall(GroupInfo("g", (0, 1, 2), "the world group"), 1, "barrier")
     text, missing = explain(entry, {0: (1, "barrier"), 1: None, 2: None}, 0,
                             Progress(None, "here"))
     assert missing == (1, 2)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from metadist.errors import CollectiveMismatchError
-from metadist.runtime.tracker import Entry, compact_ranks
+from metadist.runtime.tracker import CollectiveCall, compact_ranks
 
 MAX_DIMS = 8
 MAX_TENSORS = 2
@@ -92,7 +92,7 @@ _FIELDS: tuple[tuple[str, Callable[[Fingerprint], object]], ...] = (
 )
 
 
-def describe(entry: Entry, rows: list[list[int]], me: int) -> CollectiveMismatchError:
+def describe(entry: CollectiveCall, rows: list[list[int]], me: int) -> CollectiveMismatchError:
     """The error every rank raises for differing ``rows`` (one per group rank)."""
     ranks = entry.group.ranks
     prints = [decode(row) for row in rows]
@@ -121,7 +121,7 @@ def describe(entry: Entry, rows: list[list[int]], me: int) -> CollectiveMismatch
     return CollectiveMismatchError(message, secondary=me != culprit)
 
 
-def check(entry: Entry, pg: Any, size: int, me: int, specs: Sequence[TensorSpec],
+def check(entry: CollectiveCall, pg: Any, size: int, me: int, specs: Sequence[TensorSpec],
           reduce: str, root: int, device: torch.device,
           all_gather: Callable[..., Any]) -> None:
     """Exchange fingerprints of ``entry`` on ``pg``; raise on every rank if they differ.

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from metadist.runtime import watchdog
-from metadist.runtime.tracker import TRACKER, Entry
+from metadist.runtime.tracker import TRACKER, CollectiveCall
 
 
 class Handle:
@@ -18,7 +18,8 @@ class Handle:
     """
 
     def __init__(self, result: Any, works: Sequence[Any] = (),
-                 finish: Callable[[], None] | None = None, entry: Entry | None = None) -> None:
+                 finish: Callable[[], None] | None = None,
+                 entry: CollectiveCall | None = None) -> None:
         self._result = result
         self._works = list(works)
         self._finish = finish

@@ -24,7 +24,7 @@ from metadist.comm.debug import TensorSpec
 from metadist.comm.handle import Handle
 from metadist.runtime import watchdog
 from metadist.runtime import world as _world
-from metadist.runtime.tracker import TRACKER, Entry
+from metadist.runtime.tracker import TRACKER, CollectiveCall
 from metadist.runtime.world import SELF, Group
 
 ReduceOpName = Literal["sum", "mean", "max", "min", "prod"]
@@ -111,7 +111,7 @@ def _check(name: str, backend: str, *tensors: torch.Tensor) -> None:
             f"{name}: tensors have different dtypes ({dtypes}); cast them to one dtype")
 
 
-def _reraise(entry: Entry, exc: BaseException) -> NoReturn:
+def _reraise(entry: CollectiveCall, exc: BaseException) -> NoReturn:
     better = watchdog.failed(entry, exc)
     if better is exc:
         raise exc
@@ -119,7 +119,7 @@ def _reraise(entry: Entry, exc: BaseException) -> NoReturn:
 
 
 def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSpec],
-           reduce: str, root: int, on_device: bool = False) -> Entry:
+           reduce: str, root: int, on_device: bool = False) -> CollectiveCall:
     """Track the collective (watchdog) and, in debug mode, cross-check its fingerprint."""
     entry = TRACKER.enter(name, pg, on_device)
     if TRACKER.debug:

@@ -18,7 +18,7 @@ def mark_wrapper(wrapper: Callable[..., Any], func: Callable[..., Any]) -> None:
     setattr(wrapper, UNWRAPPED, func)
 
 
-def unwrap(func: Callable[..., Any]) -> Callable[..., Any]:
+def inner_function(func: Callable[..., Any]) -> Callable[..., Any]:
     """The function a part should run: the one inside a ``parallelize`` wrapper, else ``func``."""
     inner: Callable[..., Any] = getattr(func, UNWRAPPED, func)
     return inner

@@ -17,12 +17,12 @@ from metadist.mapreduce.reducers import mean_reducer
 from metadist.mapreduce.session import ensure_started
 
 T = TypeVar("T")
-Reducer = Callable[[list[Any]], Any]
+ReduceFn = Callable[[list[Any]], Any]
 
 
 def remote_async_call(func: Callable[..., Any], args: tuple[Any, ...] | None = None,
                       kwargs: dict[str, Any] | None = None,
-                      partitioner: Partitioner | None = None, reducer: Reducer | None = None,
+                      partitioner: Partitioner | None = None, reducer: ReduceFn | None = None,
                       timeout: float | None = None) -> torch.futures.Future[Any]:
     """Run ``func`` on the parts ``partitioner`` makes of ``args``/``kwargs``; a future of
     ``reducer(results)``, or of the results in part order when there is no reducer.
@@ -46,13 +46,13 @@ def remote_async_call(func: Callable[..., Any], args: tuple[Any, ...] | None = N
 
 def remote_sync_call(func: Callable[..., Any], args: tuple[Any, ...] | None = None,
                      kwargs: dict[str, Any] | None = None,
-                     partitioner: Partitioner | None = None, reducer: Reducer | None = None,
+                     partitioner: Partitioner | None = None, reducer: ReduceFn | None = None,
                      timeout: float | None = None) -> Any:
     """:func:`remote_async_call` and wait: the reduced result (or the list of results)."""
     return remote_async_call(func, args, kwargs, partitioner, reducer, timeout).wait()
 
 
-def _decorator(partitioner: Partitioner | None, reducer: Reducer | None,
+def _decorator(partitioner: Partitioner | None, reducer: ReduceFn | None,
                timeout: float | None, wait: bool) -> Callable[[Callable[..., Any]],
                                                               Callable[..., Any]]:
     if partitioner is None:  # the data-parallel default: split the batch, average the results
@@ -73,7 +73,7 @@ def _decorator(partitioner: Partitioner | None, reducer: Reducer | None,
     return decorate
 
 
-def parallelize(partitioner: Partitioner | None = None, reducer: Reducer | None = None,
+def parallelize(partitioner: Partitioner | None = None, reducer: ReduceFn | None = None,
                 timeout: float | None = None) -> Callable[[Callable[..., Any]],
                                                           Callable[..., Any]]:
     """Decorator: calling the function makes a map-reduce call and returns its result.
@@ -85,7 +85,7 @@ def parallelize(partitioner: Partitioner | None = None, reducer: Reducer | None 
     return _decorator(partitioner, reducer, timeout, wait=True)
 
 
-def parallelize_async(partitioner: Partitioner | None = None, reducer: Reducer | None = None,
+def parallelize_async(partitioner: Partitioner | None = None, reducer: ReduceFn | None = None,
                       timeout: float | None = None) -> Callable[[Callable[..., Any]],
                                                                 Callable[..., Any]]:
     """Like :func:`parallelize`, but calling the function returns a future."""

@@ -33,7 +33,7 @@ from torch import nn
 from metadist.comm import ops
 from metadist.errors import MetadistError
 from metadist.mapreduce import trees
-from metadist.mapreduce.functions import unwrap
+from metadist.mapreduce.functions import inner_function
 from metadist.mapreduce.modules import copy_module
 from metadist.mapreduce.partitioners import Part
 from metadist.mapreduce.world import worker_name
@@ -159,7 +159,7 @@ def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, .
 def _invoke(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs on the worker. A ``parallelize``d function arrives as its wrapper (that is what
     its module-level name refers to); call the function inside it, not another round trip."""
-    return unwrap(func)(*args, **kwargs)
+    return inner_function(func)(*args, **kwargs)
 
 
 def execute(func: Callable[..., Any], parts: list[Part],

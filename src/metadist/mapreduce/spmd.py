@@ -36,7 +36,7 @@ from metadist.errors import MetadistError
 from metadist.mapreduce import tie as _tie
 from metadist.mapreduce import trees
 from metadist.mapreduce.exchange import exchange
-from metadist.mapreduce.functions import unwrap
+from metadist.mapreduce.functions import inner_function
 from metadist.mapreduce.modules import clone_buffer, copy_module
 from metadist.mapreduce.partitioners import Args, KwArgs, Part, Partitioner, partition
 from metadist.runtime import world as _world
@@ -111,7 +111,7 @@ def _private(part: Part, params: dict[int, torch.Tensor]) -> Part:
 
 
 def _run(func: Callable[..., Any], part: Part) -> Any:
-    target = unwrap(func)
+    target = inner_function(func)
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         return target(*part.args, **part.kwargs)

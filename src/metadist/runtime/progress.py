@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-from metadist.runtime.tracker import Entry, compact_ranks
+from metadist.runtime.tracker import CollectiveCall, compact_ranks
 
 T = TypeVar("T")
 
@@ -127,7 +127,7 @@ class Progress:
         return not got or got.decode() == str(rank)
 
 
-def _unpublished(entry: Entry, me: int, count: int) -> str:
+def _unpublished(entry: CollectiveCall, me: int, count: int) -> str:
     """Why a rank published no progress: a live rank publishes once it has waited in a
     collective for a while, or when another rank reports, so this one could not."""
     it, was = ("it", "was") if count == 1 else ("they", "were")
@@ -138,7 +138,7 @@ def _unpublished(entry: Entry, me: int, count: int) -> str:
             f"holding the GIL) or dead (see {'its' if count == 1 else 'their'} output); {reached}")
 
 
-def explain(entry: Entry, states: dict[int, tuple[int, str] | None] | None, me: int,
+def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | None, me: int,
             progress: Progress) -> tuple[str, tuple[int, ...]]:
     """Which ranks did not arrive at ``entry`` (or entered something else instead), in words,
     and the missing ranks."""

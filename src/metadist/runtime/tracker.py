@@ -47,7 +47,7 @@ class GroupInfo:
     label: str  # for messages: "the world group" or "group 3 (ranks 0-3)"
 
 
-class Entry:
+class CollectiveCall:
     """One collective this process entered: where, which call, since when, and its works."""
 
     __slots__ = ("device", "group", "op", "seq", "start", "works")
@@ -100,10 +100,10 @@ class Tracker:
         self.debug = env_flag(*DEBUG_VARS)
         self._lock = threading.Lock()
         self._groups: dict[Any, _GroupState] = {}
-        self._pending: set[Entry] = set()
+        self._pending: set[CollectiveCall] = set()
         self.last_active = time.monotonic()  # when a collective last started or finished
 
-    def enter(self, op: str, pg: Any, device: bool = False) -> Entry:
+    def enter(self, op: str, pg: Any, device: bool = False) -> CollectiveCall:
         """Record that this rank is entering ``op`` on ``pg`` (``device``: on accelerator
         tensors); returns its entry."""
         state = self._groups.get(pg)
@@ -113,24 +113,24 @@ class Tracker:
         with self._lock:
             state.seq += 1
             state.op = op
-            entry = Entry(state.info, state.seq, op, device)
+            entry = CollectiveCall(state.info, state.seq, op, device)
             self._pending.add(entry)
         self.last_active = entry.start
         return entry
 
-    def release(self, entry: Entry) -> None:
+    def release(self, entry: CollectiveCall) -> None:
         """An async collective was issued: nobody waits on it until its handle is waited."""
         with self._lock:
             self._pending.discard(entry)
 
-    def block(self, entry: Entry) -> None:
+    def block(self, entry: CollectiveCall) -> None:
         """The caller now waits on ``entry`` (no-op if it already counts as waiting)."""
         with self._lock:
             if entry not in self._pending:
                 entry.start = time.monotonic()
                 self._pending.add(entry)
 
-    def exit(self, entry: Entry, works: Sequence[Any] = ()) -> None:
+    def exit(self, entry: CollectiveCall, works: Sequence[Any] = ()) -> None:
         """The caller is done with ``entry``. On an accelerator, works that are not complete
         yet (NCCL's wait only orders streams) stay watched until the device finishes them.
 
@@ -145,11 +145,11 @@ class Tracker:
         with self._lock:
             self._pending.discard(entry)
 
-    def discard(self, entry: Entry) -> None:
+    def discard(self, entry: CollectiveCall) -> None:
         with self._lock:
             self._pending.discard(entry)
 
-    def waiting(self) -> list[Entry]:
+    def waiting(self) -> list[CollectiveCall]:
         """Entries somebody is blocked on, oldest first (those whose device work finished
         after the wait returned are dropped)."""
         with self._lock:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from metadist.errors import CollectiveFailedError, CollectiveTimeoutError, MetadistError
 from metadist.runtime import failures
 from metadist.runtime.progress import AbortRecord, Progress, explain
-from metadist.runtime.tracker import TRACKER, Entry
+from metadist.runtime.tracker import TRACKER, CollectiveCall
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default seconds a collective (and the rendezvous in ``init``) may wait."""
@@ -210,7 +210,7 @@ class Watchdog:
         where = f"{last.filename}:{last.lineno} in {last.name}"
         return "".join(traceback.format_list(summary)), where
 
-    def _expire(self, entry: Entry, waiting: list[Entry]) -> None:
+    def _expire(self, entry: CollectiveCall, waiting: list[CollectiveCall]) -> None:
         mine = AbortRecord(self.rank, entry.group.name, entry.group.label, entry.seq, entry.op)
         standing = self.progress.claim_abort(mine)
         if standing is not None and standing != mine:
@@ -230,7 +230,7 @@ class Watchdog:
         self._die(Report(CollectiveTimeoutError.__name__, message, self._stack()[0], False,
                          stuck), linger=0.3)
 
-    def _follow(self, record: AbortRecord, waiting: list[Entry]) -> None:
+    def _follow(self, record: AbortRecord, waiting: list[CollectiveCall]) -> None:
         self.publish(force=True)
         stack, where = self._stack()
         if waiting:
@@ -331,7 +331,7 @@ def claim_first_failure() -> bool:
     return True if watchdog is None else watchdog.progress.claim_first_failure(watchdog.rank)
 
 
-def failed(entry: Entry, exc: BaseException) -> BaseException:
+def failed(entry: CollectiveCall, exc: BaseException) -> BaseException:
     """The error to raise for ``exc`` thrown by the collective of ``entry``: a lost peer
     becomes a :class:`CollectiveFailedError` naming the op, its number and the ranks that did
     not arrive; other errors pass through unchanged."""

@@ -91,7 +91,7 @@ class Bucket:
         return buffer
 
 
-def plan_buckets(params: Sequence[nn.Parameter], cap_bytes: int, first_cap_bytes: int,
+def plan_grad_buckets(params: Sequence[nn.Parameter], cap_bytes: int, first_cap_bytes: int,
                  owners: Sequence[int] | None) -> list[list[int]]:
     """Indices of ``params`` per bucket: reverse registration order (the order backward
     produces gradients), one dtype/device/owner per bucket, capped in bytes."""
@@ -136,7 +136,7 @@ class Reducer:
         self._reduce_dtype = reduce_dtype
         self._group = group
         self._rank = ops.group_info(group)[2]
-        plan = plan_buckets(self.params, int(bucket_cap_mb * 2**20),
+        plan = plan_grad_buckets(self.params, int(bucket_cap_mb * 2**20),
                             int(first_bucket_mb * 2**20), owners)
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}

@@ -37,7 +37,7 @@ from metadist.errors import MetadistError
 from metadist.mapreduce import rpc as mr_rpc
 from metadist.mapreduce import session as mr_session
 from metadist.mapreduce import world as mr_world
-from metadist.mapreduce.functions import unwrap
+from metadist.mapreduce.functions import inner_function
 from metadist.runtime import failures
 
 DEFAULT_ENGINE = "rpc"
@@ -180,7 +180,7 @@ class ScriptFunction:
             raise AttributeError(
                 f"the script's function {self.qualname} is not defined on this rank; define it "
                 "at module level of the script every rank runs") from None
-        return unwrap(target)(*args, **kwargs)
+        return inner_function(target)(*args, **kwargs)
 
     def __reduce__(self) -> tuple[type[ScriptFunction], tuple[str]]:
         return ScriptFunction, (self.qualname,)

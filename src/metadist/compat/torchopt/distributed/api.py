@@ -41,7 +41,7 @@ KwArgs: TypeAlias = dict[str, Any]
 PartitionFunction: TypeAlias = Callable[..., Sequence[tuple[int, "Args | None",
                                                             "KwArgs | None"]]]
 Partitioner: TypeAlias = "int | str | PartitionFunction"
-Reducer: TypeAlias = Callable[[Iterable[Any]], Any]
+ReduceFn: TypeAlias = Callable[[Iterable[Any]], Any]
 
 UNSET_RPC_TIMEOUT = -1.0
 """torch's "no timeout given": RPC's default timeout applies (60 s unless configured)."""
@@ -174,7 +174,7 @@ def remote_sync_call(func: Callable[..., T], *, args: Args | None = None,
                              reducer=reducer, timeout=timeout).wait()
 
 
-def _decorator(partitioner: Partitioner | None, reducer: Reducer | None,
+def _decorator(partitioner: Partitioner | None, reducer: ReduceFn | None,
                timeout: float | None, wait: bool) -> Callable[[Callable[..., Any]],
                                                               Callable[..., Any]]:
     if partitioner is None:  # TorchOpt: the default reducer only comes with the default split
@@ -199,7 +199,7 @@ def _decorator(partitioner: Partitioner | None, reducer: Reducer | None,
 
 
 def parallelize_async(partitioner: Partitioner | None = None,
-                      reducer: Reducer | None = None,
+                      reducer: ReduceFn | None = None,
                       timeout: float | None = UNSET_RPC_TIMEOUT) -> Callable[
                           [Callable[..., Any]], Callable[..., Any]]:
     """Decorator: calling the function makes a map-reduce call and returns its future.
@@ -211,7 +211,7 @@ def parallelize_async(partitioner: Partitioner | None = None,
     return _decorator(partitioner, reducer, timeout, wait=False)
 
 
-def parallelize(partitioner: Partitioner | None = None, reducer: Reducer | None = None,
+def parallelize(partitioner: Partitioner | None = None, reducer: ReduceFn | None = None,
                 timeout: float | None = UNSET_RPC_TIMEOUT) -> Callable[[Callable[..., Any]],
                                                                        Callable[..., Any]]:
     """Like :func:`parallelize_async`, but calling the function returns the result."""

@@ -6,6 +6,7 @@ and frees what it gathered when done."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import metadist
 from metadist.comm import stats
@@ -137,7 +139,7 @@ LOCAL["grad_penalty"] = _grad_penalty
 
 
 def _gathered(model: ShardedModule) -> int:
-    return unique_storage_bytes(flat.full for flat in model.flats if not flat.pinned)
+    return unique_storage_bytes(flat.full for flat in model.flats)
 
 
 def _on_rank(name: str, strategy: str, shards: int
@@ -196,8 +198,8 @@ def test_a_retained_graph_frees_what_its_second_backward_gathered() -> None:
 
 def _copies_per_step() -> list[tuple[int, bool, bool]]:
     """Per step: all-gathers made by four full_parameters() calls (two with grad, two
-    without) beyond one per flat not gathered, whether they all share one copy, and whether
-    the step dropped it."""
+    without) beyond one per flat not gathered, whether they all share one copy, whether it
+    outlived the calls until the step, and whether the step freed it."""
     s = metadist.strategy("zero3", min_unit_params=20)
     net = _net()
     model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
@@ -212,9 +214,14 @@ def _copies_per_step() -> list[tuple[int, bool, bool]]:
         shared = all(c[k].untyped_storage().data_ptr() == calls[0][k].untyped_storage().data_ptr()
                      for c in calls for k in c)
         s.backward(_mse(model.functional_forward(calls[0], x), y))
+        copies = [StorageWeakRef(t.untyped_storage()) for t in calls[0].values()]
+        del calls
+        gc.collect()
+        kept = not any(ref.expired() for ref in copies)
         opt.step()
-        seen.append((counted.ops["all_gather"].calls - apart, shared,
-                     all(flat.owned_copy is None for flat in model.flats)))
+        gc.collect()
+        seen.append((counted.ops["all_gather"].calls - apart, shared and kept,
+                     all(ref.expired() for ref in copies)))
     return seen
 
 

@@ -198,6 +198,9 @@ class LossScaler:
         return bool(flag.item() > 0)
 
     def before_step(self, optimizer: Optimizer) -> None:
+        """Unscale, check every rank for inf/NaN and drop this step's gradients if any saw
+        one; run before ``optimizer.step()`` on synchronised gradients (the strategy's step
+        chain runs it in its ``"unscale"`` phase)."""
         if not self._scaled:
             raise RuntimeError(
                 "precision='16-mixed' scales the loss in strategy.backward(loss), but this "
@@ -211,6 +214,7 @@ class LossScaler:
                     p.grad = None  # torch optimizers skip parameters without a gradient
 
     def after_step(self) -> None:
+        """Grow or back off the scale after ``optimizer.step()`` (skipped or not)."""
         self._update(self.last_step_skipped)
         self._scaled = self._unscaled = False
 
@@ -224,12 +228,6 @@ class LossScaler:
         if self.growth_tracker == self.growth_interval:
             self.scale_value *= self.growth_factor
             self.growth_tracker = 0
-
-    def attach(self, optimizer: Optimizer) -> None:
-        """Hook ``optimizer`` so ``step()`` unscales, checks and maybe skips. Registered
-        after the strategy's own hooks, so gradients are already synchronised."""
-        optimizer.register_step_pre_hook(lambda opt, *_: self.before_step(opt))
-        optimizer.register_step_post_hook(lambda *_: self.after_step())
 
     @contextmanager
     def unscaled(self, optimizer: Optimizer) -> Iterator[None]:

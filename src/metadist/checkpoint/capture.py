@@ -32,61 +32,29 @@ from metadist.checkpoint.entries import (
     is_piece_tensor,
     plain_copy,
 )
-from metadist.checkpoint.errors import CheckpointError
 from metadist.checkpoint.index import EntryMeta
 from metadist.checkpoint.pieces import Slice, TensorInfo
-from metadist.comm import ops
-from metadist.runtime.world import Group
-from metadist.strategies.flat import SCALAR_STATE, FlatLayout
-from metadist.strategies.fsdp import ShardedModule
 from metadist.strategies.module import DistributedModule
-from metadist.strategies.sharded_optim import Sharding
-from metadist.strategies.wrap import state_dict_key
-from metadist.strategies.zero import OwnerLayout
+from metadist.strategies.placement import (
+    ModulePlacement,
+    Placement,
+    held,
+    numbered_groups,
+    optimizer_placement,
+    per_element,
+    replicated_module,
+    whole_tensor,
+)
 
 SPLIT_BYTES = 1 << 20
 
 
-def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(state-dict name, buffer) of every buffer a state dict includes."""
-    out = []
-    for prefix, m in module.named_modules():
-        for name, b in m._buffers.items():
-            if b is not None and name not in m._non_persistent_buffers_set:
-                out.append((state_dict_key(f"{prefix}.{name}" if prefix else name), b))
-    return out
-
-
-def param_shapes(optimizer: Optimizer) -> list[tuple[int, ...]]:
-    """Shapes of the optimizer's parameters in the plain format's order (zero3 replaces
-    parameters' data by empty tensors, so their shapes come from the flat slots)."""
-    sharding: Sharding | None = getattr(optimizer, "metadist_sharding", None)
-    if sharding is None:
-        return [tuple(p.shape) for g in optimizer.param_groups for p in g["params"]]
-    where = sharding.layout.where if isinstance(sharding.layout, FlatLayout) else {}
-    shapes = []
-    for p in sharding.original:
-        if id(p) in where:
-            flat, i = where[id(p)]
-            shapes.append(tuple(flat.slots[i].shape))
-        else:
-            shapes.append(tuple(p.shape))
-    return shapes
-
-
-def hyperparameters(optimizer: Optimizer, counts: list[int]) -> list[dict[str, Any]]:
-    """The plain format's param groups: hyperparameters and consecutive parameter indices."""
-    groups, start = [], 0
-    for group, count in zip(optimizer.param_groups, counts, strict=True):
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(start, start + count))})
-        start += count
-    return groups
-
-
-def _is_writer(replicate_group: Group, index: int) -> bool:
-    _, replicas, replica = ops.group_info(replicate_group)
-    return replica == index % replicas
+def module_placement(module: nn.Module) -> ModulePlacement:
+    """What the strategy says about a module; any other module (e.g. ``torch.compile``'s
+    wrapper of a set-up one) is read and loaded through its state dict."""
+    if isinstance(module, DistributedModule):
+        return module.placements()
+    return replicated_module(module)
 
 
 @dataclass
@@ -128,11 +96,9 @@ class Capture:
         check_plain(value, describe(key))
         self.values[key] = plain_copy(value)
 
-    def _replicated(self, key: Key, t: torch.Tensor) -> None:
+    def _replicated(self, key: Key, info: TensorInfo, flat: torch.Tensor) -> None:
         """A tensor every rank holds: its share of the writes goes to one or all ranks."""
-        info = TensorInfo(tuple(t.shape), t.dtype)
-        n, nbytes = t.numel(), t.numel() * t.element_size()
-        flat = t.detach().reshape(-1)
+        n, nbytes = info.numel, info.numel * flat.element_size()
         if self.world_size > 1 and nbytes >= SPLIT_BYTES:
             for r in range(self.world_size):
                 self._load[r] += nbytes // self.world_size
@@ -144,124 +110,54 @@ class Capture:
         if owner == self.rank:
             self.slices.append(Slice(key, info, 0, n, flat))
 
-    def _from_rank0(self, key: Key, t: torch.Tensor) -> None:
-        if self.rank == 0 and is_piece_tensor(t):
-            info = TensorInfo(tuple(t.shape), t.dtype)
-            self.slices.append(Slice(key, info, 0, t.numel(), t.detach().reshape(-1)))
-        elif self.rank == 0:
-            self._value(key, t)
-
-    def _shard_slice(self, key: Key, info: TensorInfo, offset: int, lo: int,
-                     shard: torch.Tensor) -> None:
-        """The part of a parameter at ``offset`` of a flat buffer inside the shard at ``lo``."""
-        if info.numel == 0:  # in no shard's range: the first shard records it
-            if lo == 0:
-                self.slices.append(Slice(key, info, 0, 0, shard[:0]))
-            return
-        a, b = max(lo, offset), min(lo + shard.numel(), offset + info.numel)
-        if a < b:
-            self.slices.append(Slice(key, info, a - offset, b - offset, shard[a - lo:b - lo]))
+    def _tensor(self, key: Key, placement: Placement) -> None:
+        """Write this rank's share of ``placement`` (see :data:`~metadist.strategies.
+        placement.Writer`)."""
+        info = TensorInfo(placement.shape, placement.dtype)
+        match placement.writer:
+            case "spread":
+                self._replicated(key, info, held(placement.parts[0]))
+            case "rank0" if self.rank == 0:
+                self.slices.append(Slice(key, info, 0, info.numel, held(placement.parts[0])))
+            case "holder":
+                self.slices.extend(Slice(key, info, p.start, p.stop, held(p))
+                                   for p in placement.parts)
 
     # ----- modules ------------------------------------------------------------------------
     def _module(self, name: str, module: nn.Module) -> None:
         meta = self.entries[name] = EntryMeta("module")
-        if isinstance(module, ShardedModule):
-            self._sharded_module(name, module, meta)
-            return
-        inner = module.module if isinstance(module, DistributedModule) else module
-        buffers = {key for key, _ in persistent_buffers(inner)}
-        seen: dict[tuple[Any, ...], str] = {}
-        for key, value in module.state_dict().items():
-            meta.keys.append(key)
-            if key in buffers:
-                self._from_rank0((name, key), value)
-                continue
-            if not is_piece_tensor(value):
-                if self.rank == 0:
-                    self._value((name, key), value)
-                continue
-            # tied weights appear under several keys: store the first, alias the others
-            ident = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride(),
-                     value.device) if value.numel() else None
-            if ident is not None and ident in seen:
-                meta.aliases[key] = seen[ident]
-                continue
-            if ident is not None:
-                seen[ident] = key
-            self._replicated((name, key), value)
-
-    def _sharded_module(self, name: str, module: ShardedModule, meta: EntryMeta) -> None:
-        for j, flat in enumerate(module.flats):
-            writer = _is_writer(flat.replicate_group, j)
-            lo = flat.rank * flat.shard_size
-            for slot in flat.slots:
-                key = state_dict_key(slot.fqn)
-                meta.keys.append(key)
-                for alias in slot.aliases:
-                    meta.keys.append(state_dict_key(alias))
-                    meta.aliases[state_dict_key(alias)] = key
-                if writer:
-                    info = TensorInfo(tuple(slot.shape), flat.shard.dtype)
-                    self._shard_slice((name, key), info, slot.offset, lo, flat.shard.detach())
-        for key, buf in persistent_buffers(module.module):
-            meta.keys.append(key)
-            self._from_rank0((name, key), buf)
+        where = module_placement(module)
+        meta.keys.extend(where.keys)
+        meta.aliases.update(where.aliases)
+        for placement in where.tensors:
+            self._tensor((name, placement.name), placement)
+        if self.rank == 0:
+            for key, value in where.values.items():
+                self._value((name, key), value)
 
     # ----- optimizers ---------------------------------------------------------------------
     def _optimizer(self, name: str, optimizer: Optimizer) -> None:
-        sharding: Sharding | None = getattr(optimizer, "metadist_sharding", None)
-        groups = (sharding.original_groups if sharding is not None
-                  else [list(g["params"]) for g in optimizer.param_groups])
-        original = [p for g in groups for p in g]
-        index = {id(p): i for i, p in enumerate(original)}
-        self.entries[name] = EntryMeta("optimizer", shapes=param_shapes(optimizer))
+        where = optimizer_placement(optimizer)
+        self.entries[name] = EntryMeta("optimizer", shapes=list(where.shapes))
         if self.rank == 0:
-            hyper = hyperparameters(optimizer, [len(g) for g in groups])
+            hyper = numbered_groups(optimizer.param_groups, where.counts)
             check_plain(hyper, f"{describe((name,))} param_groups")
             self.param_groups[name] = plain_copy(hyper)
-        layout = sharding.layout if sharding is not None else None
-        match layout:
-            case None | OwnerLayout():
-                owner = layout.owner if isinstance(layout, OwnerLayout) else {}
-                for i, p in enumerate(original):
-                    state = optimizer.state.get(p)
-                    if not state:
-                        continue
-                    holder = owner.get(p)  # None: every rank holds this state
-                    for state_name in sorted(state):
-                        key, value = (name, str(i), state_name), state[state_name]
-                        if holder is None and is_piece_tensor(value):
-                            self._replicated(key, value)
-                        elif holder is None and self.rank == 0:
-                            self._value(key, value)
-                        elif holder == self.rank and is_piece_tensor(value):
-                            info = TensorInfo(tuple(value.shape), value.dtype)
-                            self.slices.append(Slice(key, info, 0, value.numel(),
-                                                     value.detach().reshape(-1)))
-                        elif holder == self.rank:
-                            self._value(key, value)
-            case FlatLayout():
-                for j, flat in enumerate(layout.flats):
-                    state = optimizer.state.get(flat.shard)
-                    if not state or not _is_writer(flat.replicate_group, j):
-                        continue
-                    lo = flat.rank * flat.shard_size
-                    for state_name in sorted(state):
-                        value = state[state_name]
-                        per_element = (state_name not in SCALAR_STATE and torch.is_tensor(value)
-                                       and value.shape == flat.shard.shape)
-                        for slot, p in zip(flat.slots, flat.originals, strict=True):
-                            key = (name, str(index[id(p)]), state_name)
-                            if per_element:
-                                info = TensorInfo(tuple(slot.shape), value.dtype)
-                                self._shard_slice(key, info, slot.offset, lo, value.detach())
-                            elif flat.rank == 0:  # the same on every shard: one writes it
-                                self._value(key, value)
-            case _:
-                raise CheckpointError(
-                    f"{describe((name,))} is sharded with a layout metadist cannot checkpoint "
-                    f"({type(layout).__name__}); save strategy.optimizer_state_dict(optimizer) "
-                    "as a plain value instead")
+        for s in where.stepped:
+            state = optimizer.state.get(s.tensor)
+            if not state:
+                continue
+            for state_name in sorted(state):
+                value = state[state_name]
+                for p in s.params:
+                    key = (name, p.name, state_name)
+                    if is_piece_tensor(value) and per_element(state_name, value, s.tensor.shape):
+                        self._tensor(key, p.on(value))
+                    elif is_piece_tensor(value) and p.whole() is not None:
+                        # per parameter, yet a tensor: stored whole, as the parameter is held
+                        self._tensor(key, whole_tensor(p.name, value, p.writer))
+                    elif s.lead:
+                        self._value(key, value)
 
 
 def capture(entries: list[Entry], rank: int, world_size: int) -> Capture:

@@ -23,7 +23,6 @@ from torch.optim import Optimizer
 from metadist.checkpoint import rng
 from metadist.checkpoint.agree import Failure, announce, failure
 from metadist.checkpoint.atomic import write_atomic
-from metadist.checkpoint.capture import param_shapes
 from metadist.checkpoint.digest import write_sealed_zip
 from metadist.checkpoint.entries import (
     HEADER,
@@ -39,7 +38,7 @@ from metadist.checkpoint.index import FULL, VERSION, EntryMeta
 from metadist.checkpoint.pieces import checksum
 from metadist.comm import ops
 from metadist.strategies.base import Strategy
-from metadist.strategies.fsdp import ShardedModule
+from metadist.strategies.placement import optimizer_placement
 
 
 def prepare(path: Path) -> None:
@@ -130,12 +129,13 @@ def save_full(strategy: Strategy, path: Path, entries: list[Entry], *, rank: int
         match e.kind:
             case "module":
                 module: nn.Module = e.value
-                # zero3/hsdp: a collective, also through a wrapper (torch.compile(model))
-                gathers = any(isinstance(m, ShardedModule) for m in module.modules())
-                contents[e.name] = module.state_dict() if gathers or rank == 0 else None
+                # Every rank: a collective under zero3/hsdp (also through a wrapper such as
+                # torch.compile(model)); elsewhere references to the tensors, at no cost.
+                state = module.state_dict()
+                contents[e.name] = state if rank == 0 else None
             case "optimizer":
                 contents[e.name] = _optimizer_state(strategy, e.value, rank)
-                metas[e.name].shapes = param_shapes(e.value)
+                metas[e.name].shapes = list(optimizer_placement(e.value).shapes)
     rngs = ops.gather_object(rng.capture(), 0)
     found: tuple[int, Failure] | None = None
     if rank == 0:

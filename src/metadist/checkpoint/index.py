@@ -33,7 +33,7 @@ import torch
 from metadist.checkpoint.digest import verify_json
 from metadist.checkpoint.entries import KINDS, Key, Kind, describe
 from metadist.checkpoint.errors import CorruptCheckpointError
-from metadist.checkpoint.pieces import Piece, PieceRecord, TensorInfo, dtype_name, parse_dtype
+from metadist.checkpoint.pieces import Piece, PieceRecord, TensorInfo, dtype_from_name, dtype_name
 
 SHARDED = "metadist.sharded"
 FULL = "metadist.full"
@@ -91,7 +91,7 @@ def encode(*, data: str, world_size: int, strategy: str, entries: dict[str, Entr
     tensors = []
     for key, (shape, dtype, pieces) in by_key.items():
         pieces.sort(key=lambda p: p.start)
-        _check_cover(key, TensorInfo(shape, parse_dtype(dtype, "index")), pieces, "index")
+        _check_cover(key, TensorInfo(shape, dtype_from_name(dtype, "index")), pieces, "index")
         tensors.append({"key": list(key), "shape": list(shape), "dtype": dtype,
                         "pieces": [{"file": p.file, "offset": p.offset, "start": p.start,
                                     "stop": p.stop, "crc32": p.crc32} for p in pieces]})
@@ -241,7 +241,7 @@ def _decode(doc: Any, where: str) -> Index:
     for t in _need(doc, "tensors", list, where):
         key = tuple(str(k) for k in _need(t, "key", list, where))
         info = TensorInfo(tuple(int(d) for d in _need(t, "shape", list, where)),
-                          parse_dtype(t.get("dtype"), where))
+                          dtype_from_name(t.get("dtype"), where))
         pieces = [Piece(_file_name(p.get("file"), where), _need(p, "offset", int, where),
                         _need(p, "start", int, where), _need(p, "stop", int, where),
                         _need(p, "crc32", int, where)) for p in _need(t, "pieces", list, where)]

@@ -51,7 +51,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: Any, where: str) -> torch.dtype:
+def dtype_from_name(name: Any, where: str) -> torch.dtype:
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
         raise CorruptCheckpointError(f"{where}: {name!r} is not a torch dtype; the checkpoint "

@@ -9,7 +9,6 @@ rank reported success.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,17 +18,18 @@ from torch import nn
 from torch.optim import Optimizer
 
 from metadist.checkpoint import rng
-from metadist.checkpoint.capture import param_shapes, persistent_buffers
-from metadist.checkpoint.entries import Entry, Key, describe, is_piece_tensor
+from metadist.checkpoint.capture import module_placement
+from metadist.checkpoint.entries import Entry, Key, describe
 from metadist.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
 from metadist.checkpoint.pieces import TensorInfo
 from metadist.checkpoint.source import Source
-from metadist.strategies.flat import SCALAR_STATE, FlatLayout, FlatParam
-from metadist.strategies.fsdp import ShardedModule
-from metadist.strategies.module import DistributedModule
-from metadist.strategies.sharded_optim import _TAG, Sharding
-from metadist.strategies.wrap import state_dict_key
-from metadist.strategies.zero import OwnerLayout
+from metadist.strategies.placement import (
+    OptimizerPlacement,
+    Stepped,
+    numbered_groups,
+    optimizer_placement,
+    per_element,
+)
 
 
 @dataclass
@@ -47,11 +47,6 @@ class Plan:
 def _few(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:5])
     return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-
-
-def _non_persistent(module: nn.Module) -> set[str]:
-    return {state_dict_key(f"{prefix}.{n}" if prefix else n)
-            for prefix, m in module.named_modules() for n in m._non_persistent_buffers_set}
 
 
 class _Planner:
@@ -98,162 +93,91 @@ class _Planner:
                 raise CheckpointMismatchError(f"{self.where}: {describe(user)} does not match "
                                               f"the {list(like.shape)}-shaped tensor here")
             return value
+        info = self.source.tensors.get(stored)
+        if isinstance(like, torch.Tensor) and info is not None and info.shape == like.shape:
+            return self.source.full(stored)  # 0-dim, stored as a tensor by a sharded layout
         # Not a value: a tensor of another shape, or nothing, is stored (_info says which).
         self._info(user, stored, tuple(like.shape) if isinstance(like, torch.Tensor) else ())
         raise CheckpointMismatchError(f"{self.where}: {describe(user)} is a tensor in the "
                                       f"checkpoint but a {type(like).__name__} here")
 
-    def _read_slot(self, user: Key, stored: Key, shape: tuple[int, ...], offset: int,
-                   lo: int, out: torch.Tensor) -> None:
-        """Elements of a parameter at ``offset`` of a flat buffer that fall in ``out``, the
-        shard starting at ``lo``."""
-        info = self._info(user, stored, shape)
-        a, b = max(lo, offset), min(lo + out.numel(), offset + info.numel)
-        if a < b:
-            self.source.read(stored, a - offset, b - offset, out[a - lo:b - lo])
-
     # ----- modules ------------------------------------------------------------------------
     def module(self, name: str, module: nn.Module) -> Callable[[], None]:
-        if isinstance(module, ShardedModule):
-            return self._sharded_module(name, module)
-        inner = module.module if isinstance(module, DistributedModule) else module
-        target = module.state_dict()
-        self._check_keys(name, list(target), _non_persistent(inner))
-        new: OrderedDict[str, Any] = OrderedDict()
-        for key, like in target.items():
-            stored = self.source.module_key(name, key)
-            if is_piece_tensor(like):
-                self._info((name, key), stored, tuple(like.shape))
-                new[key] = self.source.full(stored)
-            else:
-                new[key] = self._value((name, key), stored, like)
+        where = module_placement(module)
+        self._check_keys(name, list(where.keys), set(where.ignorable))
+        parts: dict[str, list[torch.Tensor]] = {}
+        for placement in where.tensors:
+            stored = self.source.module_key(name, placement.name)
+            value = self.source.values.get(stored)
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == placement.shape:
+                # 0-dim, stored as a value by a layout that held it whole
+                parts[placement.name] = [value.reshape(-1)[p.start:p.stop]
+                                         for p in placement.parts]
+                continue
+            self._info((name, placement.name), stored, placement.shape)
+            parts[placement.name] = [self._read(stored, p.start, p.stop)
+                                     for p in placement.parts]
+        values = {key: self._value((name, key), self.source.module_key(name, key), like)
+                  for key, like in where.values.items()}
+        return lambda: where.load(parts, values)
 
-        def apply() -> None:
-            wait = getattr(module, "wait_params", None)
-            if callable(wait):  # zero1/zero2: a refresh in flight must not land afterwards
-                wait()
-            module.load_state_dict(new)
-
-        return apply
-
-    def _sharded_module(self, name: str, module: ShardedModule) -> Callable[[], None]:
-        wanted = [state_dict_key(n) for flat in module.flats for s in flat.slots
-                  for n in (s.fqn, *s.aliases)]
-        buffers = persistent_buffers(module.module)
-        self._check_keys(name, wanted + [k for k, _ in buffers], _non_persistent(module.module))
-        shards = []
-        for flat in module.flats:
-            shard = torch.zeros(flat.shard_size, dtype=flat.shard.dtype)
-            for slot in flat.slots:
-                key = state_dict_key(slot.fqn)
-                self._read_slot((name, key), self.source.module_key(name, key),
-                                tuple(slot.shape), slot.offset, flat.rank * flat.shard_size, shard)
-            shards.append(shard)
-        new_buffers = []
-        for key, buf in buffers:
-            stored = self.source.module_key(name, key)
-            if is_piece_tensor(buf):
-                self._info((name, key), stored, tuple(buf.shape))
-                new_buffers.append((buf, self.source.full(stored)))
-            else:
-                new_buffers.append((buf, self._value((name, key), stored, buf)))
-
-        def apply() -> None:
-            with torch.no_grad():
-                for flat, shard in zip(module.flats, shards, strict=True):
-                    flat.shard.copy_(shard)
-                for buf, value in new_buffers:
-                    buf.copy_(value)
-            module.after_step()  # drop gathered copies of the old parameters
-
-        return apply
+    def _read(self, stored: Key, start: int, stop: int) -> torch.Tensor:
+        info = self.source.tensors[stored]
+        out = torch.empty(stop - start, dtype=info.dtype)
+        self.source.read(stored, start, stop, out)
+        return out
 
     # ----- optimizers ---------------------------------------------------------------------
     def optimizer(self, name: str, optimizer: Optimizer) -> Callable[[], None]:
-        sharding: Sharding | None = getattr(optimizer, "metadist_sharding", None)
-        groups = (sharding.original_groups if sharding is not None
-                  else [list(g["params"]) for g in optimizer.param_groups])
+        where = optimizer_placement(optimizer)
         saved = self.source.param_groups.get(name)
         if saved is None:
             raise CorruptCheckpointError(f"{self.where}: the param groups of {describe((name,))} "
                                          "are missing; the checkpoint is corrupted")
-        here, there = [len(g) for g in groups], [len(g["params"]) for g in saved]
+        here, there = list(where.counts), [len(g["params"]) for g in saved]
         if here != there:
             raise CheckpointMismatchError(
                 f"{self.where}: {describe((name,))} has {len(there)} param group(s) with "
                 f"{there} parameters in the checkpoint but {len(here)} with {here} here; build "
                 "the optimizer over the same parameters in the same order")
-        shapes, saved_shapes = param_shapes(optimizer), self.source.entries[name].shapes
-        for i, (a, b) in enumerate(zip(saved_shapes, shapes, strict=False)):
+        for i, (a, b) in enumerate(zip(self.source.entries[name].shapes, where.shapes,
+                                       strict=False)):
             if tuple(a) != tuple(b):
                 raise CheckpointMismatchError(
                     f"{self.where}: {describe((name,))} parameter {i} has shape {list(a)} in the "
                     f"checkpoint but {list(b)} here; the checkpoint belongs to a different model")
         names = self.source.optimizer_state(name)
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved]
-        original = [p for g in groups for p in g]
-        position = {id(p): i for i, p in enumerate(original)}
-        layout = sharding.layout if sharding is not None else None
         state: dict[int, dict[str, Any]] = {}
-        match layout:
-            case None:
-                for i in names:
-                    state[i] = self._whole_entry(name, i, names[i])
-                new_groups = [{**h, "params": list(range(sum(here[:k]), sum(here[:k + 1])))}
-                              for k, h in enumerate(hyper)]
-                sd: dict[str, Any] = {"state": state, "param_groups": new_groups}
-            case OwnerLayout() | FlatLayout():
-                flats = {id(f.shard): f for f in layout.flats} if isinstance(
-                    layout, FlatLayout) else {}
-                new_groups, j = [], 0
-                for k, group in enumerate(optimizer.param_groups):
-                    count = len(group["params"])
-                    new_groups.append({**hyper[k], "params": list(range(j, j + count))})
-                    for t in group["params"]:
-                        entry = (self._flat_entry(name, flats[id(t)], position, names)
-                                 if id(t) in flats else
-                                 self._whole_entry(name, position[id(t)],
-                                                   names.get(position[id(t)], [])))
-                        if entry:
-                            state[j] = entry
-                        j += 1
-                sd = {"state": state, "param_groups": new_groups, _TAG: layout.signature}
-            case _:
-                raise CheckpointMismatchError(
-                    f"{describe((name,))} is sharded with a layout metadist cannot load into "
-                    f"({type(layout).__name__})")
+        for j, s in enumerate(where.stepped):
+            entry = self._stepped_entry(name, where, s, names)
+            if entry:
+                state[j] = entry
+        groups = numbered_groups(saved, [len(g["params"]) for g in optimizer.param_groups])
+        sd = {"state": state, "param_groups": groups, **where.tag}
         return lambda: optimizer.load_state_dict(sd)
 
-    def _whole_entry(self, name: str, i: int, state_names: list[str]) -> dict[str, Any]:
-        out = {}
-        for state_name in state_names:
-            key = (name, str(i), state_name)
-            out[state_name] = (self.source.full(key) if key in self.source.tensors
-                               else self.source.values[key])
-        return out
-
-    def _flat_entry(self, name: str, flat: FlatParam, position: dict[int, int],
-                    names: dict[int, list[str]]) -> dict[str, Any]:
-        """This rank's shard of a flat buffer's state: per-element state cut from whatever
-        pieces hold it (zeros where a parameter has none, and in the padding)."""
-        indices = [position[id(p)] for p in flat.originals]
-        lo = flat.rank * flat.shard_size
+    def _stepped_entry(self, name: str, where: OptimizerPlacement, s: Stepped,
+                       names: dict[int, list[str]]) -> dict[str, Any]:
+        """The state of one tensor this rank steps: per-element state cut from whatever
+        pieces hold it (zeros where a parameter has none, and in padding), per-parameter
+        values as saved."""
         out: dict[str, Any] = {}
-        for state_name in sorted({n for i in indices for n in names.get(i, [])}):
-            holders = [(slot, (name, str(i), state_name)) for slot, i in
-                       zip(flat.slots, indices, strict=True) if state_name in names.get(i, [])]
+        for state_name in sorted({n for p in s.params for n in names.get(int(p.name), [])}):
+            holders = [(p, (name, p.name, state_name)) for p in s.params
+                       if state_name in names.get(int(p.name), [])]
             infos = [self.source.tensors.get(key) for _, key in holders]
-            per_element = state_name not in SCALAR_STATE and all(
-                info is not None and info.shape == tuple(slot.shape)
-                for info, (slot, _) in zip(infos, holders, strict=True))
-            if per_element:
+            if all(info is not None and per_element(state_name, info, p.shape)
+                   for info, (p, _) in zip(infos, holders, strict=True)):
                 first = infos[0]
                 assert first is not None
-                buf = torch.zeros(flat.shard_size, dtype=first.dtype)
-                for slot, key in holders:
-                    self._read_slot(key, key, tuple(slot.shape), slot.offset, lo, buf)
-                out[state_name] = buf
-            else:  # per parameter (e.g. Adam's step): the same for the whole flat buffer
+                buf = torch.zeros(s.tensor.numel(), dtype=first.dtype)
+                for p, key in holders:
+                    self._info(key, key, p.shape)
+                    for part in p.parts:
+                        self.source.read(key, part.start, part.stop,
+                                         buf[part.offset:part.offset + part.numel])
+                out[state_name] = buf.view(s.tensor.shape)
+            else:  # per parameter (e.g. Adam's step): the same for the whole tensor
                 key = holders[0][1]
                 out[state_name] = (self.source.full(key) if key in self.source.tensors
                                    else self.source.values[key])

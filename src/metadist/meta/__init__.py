@@ -15,6 +15,7 @@ from metadist.meta.adaptive import (
     radam,
     rmsprop,
 )
+from metadist.meta.builtin_methods import METHODS
 from metadist.meta.combine import (
     EmptyState,
     ScheduleState,
@@ -28,7 +29,6 @@ from metadist.meta.combine import (
 from metadist.meta.config import EarlyStopping, EngineConfig, ProblemConfig
 from metadist.meta.engine import Engine
 from metadist.meta.hypergrad import (
-    METHODS,
     CGConfig,
     DartsConfig,
     HypergradConfig,

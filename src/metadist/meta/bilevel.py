@@ -20,18 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from metadist.meta.directional import ReinforceConfig, SamaConfig, adam_scale
-from metadist.meta.hypergrad import (
-    CGConfig,
-    DartsConfig,
-    HypergradConfig,
-    NeumannConfig,
-    UnrolledConfig,
-    hypergradient,
-)
+from metadist.meta.directional import adam_scale
+from metadist.meta.hypergrad import HypergradConfig, hypergradient
+from metadist.meta.methods import hypergradient_method
 from metadist.meta.problem import Problem, loss_of
 from metadist.meta.response import response
-from metadist.meta.transforms import sgd
 
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine
@@ -94,7 +87,7 @@ def path_gradient(engine: Engine, upper: Problem, chain: list[Problem], names: l
         nxt = chain[i + 1] if i + 1 < len(chain) else upper
         nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
         method, config = method_of(curr, nxt)
-        params = (curr._theta0 if method == "unrolled"
+        params = (curr._theta0 if hypergradient_method(method).replays_steps
                   else curr.params(clone=not curr.replicated))
         inner = _inner_fn(engine, nxt, curr, nxt_names)
         if i == 0:
@@ -118,29 +111,8 @@ def _hparams(problem: Problem) -> tuple[list[str], tuple[Tensor, ...]]:
 
 def method_of(lower: Problem, upper: Problem) -> tuple[str, HypergradConfig]:
     """The lower problem's method and its config; defaults from its optimizer's lr."""
-    given, lr = lower.config.hypergrad, float(lower.optimizer.param_groups[0]["lr"])
-    match lower.config.method:
-        case "darts":
-            return "darts", given or DartsConfig(xi=lr)
-        case "neumann":
-            return "neumann", given or NeumannConfig(alpha=lr)
-        case "cg":
-            return "cg", given or CGConfig()
-        case "sama":
-            if isinstance(given, SamaConfig) and given.scale is not None:
-                return "sama", given
-            r = given.r if isinstance(given, SamaConfig) else SamaConfig().r
-            return "sama", SamaConfig(r=r, scale=sama_scale(lower))
-        case "reinforce":
-            return "reinforce", given or ReinforceConfig(xi=lr)
-        case "unrolled":
-            if not lower._record:
-                raise RuntimeError(
-                    f"{upper.name!r} steps before {lower.name!r} took a step to unroll; "
-                    f"list {upper.name!r} in dependencies['l2u'][{lower.name!r}]")
-            opt = given.optimizer if isinstance(given, UnrolledConfig) else sgd(lr)
-            return "unrolled", UnrolledConfig(steps=len(lower._record), optimizer=opt)
-    raise AssertionError(lower.config.method)  # ProblemConfig validated it
+    method = hypergradient_method(lower.config.method)
+    return method.name, method.for_problem(lower, upper)
 
 
 def sama_scale(problem: Problem, sgd_scale: float | None = None) -> dict[str, Tensor]:
@@ -236,7 +208,7 @@ def _inner_fn(engine: Engine, upper: Problem, lower: Problem, names: list[str]) 
         batches = next(steps) if steps is not None else [(lower.batch, lower.batch_share)]
         with engine._bound({lower.name: theta, upper.name: _lam(upper, names, lam, True)}):
             outs = [lower.training_step(b) for b, _ in batches]
-        if lower.config.method == "reinforce":  # per-sample terms, not a scalar
+        if hypergradient_method(lower.config.method).per_sample_inner:  # not a scalar
             return _samples(outs, [w for _, w in batches], lower.name)
         losses = [weighted(loss_of(o, lower.name), w) for o, (_, w) in zip(outs, batches,
                                                                           strict=True)]

@@ -7,40 +7,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from metadist.meta.directional import ReinforceConfig, SamaConfig
-from metadist.meta.hypergrad import (
-    METHODS,
-    CGConfig,
-    DartsConfig,
-    HypergradConfig,
-    NeumannConfig,
-    UnrolledConfig,
-)
+from metadist.meta.hypergrad import HypergradConfig
+from metadist.meta.methods import hypergradient_method
 from metadist.precision import Precision
 from metadist.strategies.base import canonical as canonical_strategy
 
 LOGGERS = ("none", "stdout", "tensorboard", "csv")
 MODES = ("min", "max")
 CHECKPOINT_FORMATS = ("sharded", "full")
-
-
-def method_config_class(method: str) -> type[HypergradConfig]:
-    """The config class of a hypergradient method, by name."""
-    match method:
-        case "unrolled":
-            return UnrolledConfig
-        case "darts":
-            return DartsConfig
-        case "neumann":
-            return NeumannConfig
-        case "cg":
-            return CGConfig
-        case "sama":
-            return SamaConfig
-        case "reinforce":
-            return ReinforceConfig
-    raise ValueError(f"hypergradient method {method!r} is not known; choose one of: "
-                     f"{', '.join(METHODS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +24,11 @@ class ProblemConfig:
     * ``unroll_steps``: optimizer steps this problem takes before its upper problems (``l2u``)
       take one.
     * ``method`` / ``hypergrad``: how an upper problem differentiates through this one's
-      response (``"unrolled"``, ``"darts"``, ``"neumann"``, ``"cg"``) and that method's config
-      (:class:`UnrolledConfig`, ...); ``None`` derives it from this problem's optimizer:
-      DARTS' ``xi`` and Neumann's ``alpha`` default to its learning rate, ``unrolled``
-      replays its last ``unroll_steps`` steps with ``sgd(lr)``.
+      response (``"unrolled"``, ``"darts"``, ``"neumann"``, ``"cg"``, ``"sama"``,
+      ``"reinforce"`` or a method added with ``metadist.meta.methods.register_hypergradient``)
+      and that method's config (:class:`UnrolledConfig`, ...); ``None`` derives it from this
+      problem's optimizer: DARTS' ``xi`` and Neumann's ``alpha`` default to its learning
+      rate, ``unrolled`` replays its last ``unroll_steps`` steps with ``sgd(lr)``.
       Not Betty's "darts" (gF - M.v at the current weights): that is ``"sama"`` with the
       default :class:`SamaConfig` (see docs/meta-learning.md, "Coming from Betty").
     * ``first_order``: drop the response term: upper problems only get their direct gradient
@@ -75,15 +50,8 @@ class ProblemConfig:
         if self.unroll_steps < 1:
             raise ValueError(f"ProblemConfig(unroll_steps={self.unroll_steps}): a problem takes "
                              "at least one step per step of its upper problems")
-        expected = method_config_class(self.method)
-        if self.hypergrad is not None and not isinstance(self.hypergrad, expected):
-            raise TypeError(f"method {self.method!r} takes a {expected.__name__}, got "
-                            f"{type(self.hypergrad).__name__}; pass {expected.__name__}(...) "
-                            "or None")
-        if isinstance(self.hypergrad, UnrolledConfig) and self.hypergrad.steps != self.unroll_steps:
-            raise ValueError(f"UnrolledConfig(steps={self.hypergrad.steps}) differs from "
-                             f"unroll_steps={self.unroll_steps}: the engine replays exactly the "
-                             "unroll window; set both to the same number")
+        # raises listing the registered methods, or on a config of another method
+        hypergradient_method(self.method).check(self.hypergrad, self.unroll_steps)
         if self.gradient_accumulation < 1:
             raise ValueError(f"gradient_accumulation must be >= 1, got "
                              f"{self.gradient_accumulation}")

@@ -37,7 +37,8 @@ from metadist.comm import ops
 from metadist.meta.bilevel import record_last_grads, upper_gradient, weighted
 from metadist.meta.config import EngineConfig
 from metadist.meta.loggers import make_logger
-from metadist.meta.problem import Binding, Problem, loss_of
+from metadist.meta.methods import hypergradient_method
+from metadist.meta.problem import BoundForward, Problem, loss_of
 from metadist.runtime.world import init
 from metadist.strategies.base import strategy as make_strategy
 
@@ -76,7 +77,8 @@ class Engine:
         #: a1's response on a2, ..., the lower's on upper).
         self.paths = {n: [p for lower in self.u2l[n] for p in self._routes(lower, n)]
                       for n in self.problems}
-        self._replays = {n for n, p in self.problems.items() if p.config.method == "unrolled"
+        self._replays = {n for n, p in self.problems.items()
+                         if hypergradient_method(p.config.method).replays_steps
                          and any(n in path[1:-1] for paths in self.paths.values()
                                  for path in paths)}
         self.world = init()
@@ -174,9 +176,10 @@ class Engine:
                 visit(n)
         for upper, lowers in self.u2l.items():
             for lower in lowers:
-                if self.problems[lower].config.method == "unrolled" and self.u2l[lower]:
+                method = self.problems[lower].config.method
+                if hypergradient_method(method).replays_steps and self.u2l[lower]:
                     raise ValueError(
-                        f"problem {lower!r} has method 'unrolled', which replays its plain "
+                        f"problem {lower!r} has method {method!r}, which replays its plain "
                         f"gradient steps for {upper!r}; but it steps by hypergradients through "
                         f"{self.u2l[lower]}: choose 'darts', 'neumann' or 'cg' for it")
 
@@ -253,7 +256,7 @@ class Engine:
         if p.config.gradient_clipping is not None:
             p.strategy.clip_grad_norm_(p.wrapped, p.config.gradient_clipping)
         p.optimizer.step()
-        if p.config.method == "sama":
+        if hypergradient_method(p.config.method).keeps_last_grads:
             record_last_grads(p)
         if p.scheduler is not None:
             p.scheduler.step()
@@ -278,7 +281,16 @@ class Engine:
         detached copies under zero3/hsdp (whose own forward would gather shards into a graph).
         Calls of ``self.<name>(...)`` and ``self.module(...)`` both see this, because the
         wrapped module's ``forward`` is rebound on the instance (restored on exit: contexts
-        nest)."""
+        nest) to a :class:`BoundForward`, which runs the problem's module under
+        ``bind_parameters`` (strategies/bind.py) for that one call.
+
+        The binding is per call, not for the whole block, for three reasons: a problem on its
+        own parameters and another on explicit ones run in the same block, and the first's
+        strategy must act (zero3 gathers) while the second's must not, so "running on
+        explicit parameters" holds for one module's forward only; a zero3/hsdp problem's
+        detached parameters are gathered (a collective) only if it is called; and zero3's
+        explicit forward is ``functional_forward``, which also gathers and holds its frozen
+        parameters for the backward, which binding tensors alone would not do."""
         saved: list[tuple[Any, Any]] = []
         for name, problem in self.problems.items():
             params = explicit.get(name, _UNSET)
@@ -288,7 +300,7 @@ class Engine:
                 module.__dict__.pop("forward", None)  # its own forward, even inside a binding
             else:
                 explicit_params = params if isinstance(params, Mapping) else None
-                module.__dict__["forward"] = Binding(problem, explicit_params)
+                module.__dict__["forward"] = BoundForward(problem, explicit_params)
         try:
             yield
         finally:

@@ -13,7 +13,8 @@ with ``outer_loss_fn(params, hparams) -> F`` and ``inner_loss_fn(params, hparams
 take, and ``hparams`` a tuple of tensors that require grad. The results carry no graph.
 ``params`` is the inner solution for ``neumann`` and ``cg``, the current inner iterate for
 ``darts`` and the starting point of the inner loop for ``unrolled``; the caller's tensors are
-never modified and gain no ``.grad``. :func:`hypergradient` picks a method by name.
+never modified and gain no ``.grad``. :func:`hypergradient` picks a registered method by name
+(meta/methods.py; the built-in ones are registered in meta/builtin_methods.py).
 
 Distributed exactness
 ---------------------
@@ -35,18 +36,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from metadist.meta.directional import ReinforceConfig, SamaConfig, reinforce, sama
+from metadist.meta.directional import ReinforceConfig, SamaConfig
+from metadist.meta.methods import Solve, Vec, hypergradient_method
 from metadist.meta.optim import GradSync
 from metadist.meta.transforms import Transformation, apply_updates, sgd
 
 LossFn = Callable[[Any, tuple[Tensor, ...]], Tensor]
-METHODS = ("unrolled", "darts", "neumann", "cg", "sama", "reinforce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +117,6 @@ class CGConfig:
 
 HypergradConfig = (UnrolledConfig | DartsConfig | NeumannConfig | CGConfig | SamaConfig
                    | ReinforceConfig)
-Vec = list[Tensor]
-Solve = Callable[[Callable[[Vec], Vec], Vec], Vec]  # solve(hvp, v) ~ inv(H) v
 
 
 # ----- shared pieces -------------------------------------------------------------------------
@@ -319,37 +318,13 @@ def unrolled(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
 
 
 # ----- by name ----------------------------------------------------------------------------------
-C = TypeVar("C", UnrolledConfig, DartsConfig, NeumannConfig, CGConfig, SamaConfig,
-            ReinforceConfig)
-
-
-def _config(method: str, config: HypergradConfig | None, cls: type[C]) -> C | None:
-    if config is not None and not isinstance(config, cls):
-        raise TypeError(f"method {method!r} takes a {cls.__name__}, got "
-                        f"{type(config).__name__}; pass {cls.__name__}(...) or None")
-    return config
-
-
 def hypergradient(method: str, outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
                   hparams: Sequence[Tensor] | Tensor, config: HypergradConfig | None = None, *,
                   grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
-    """Dispatch to :func:`unrolled`, :func:`darts`, :func:`neumann`, :func:`cg`,
-    :func:`~metadist.meta.directional.sama` or :func:`~metadist.meta.directional.reinforce`
-    by name; ``config`` must be that method's config class (None: its defaults)."""
-    args = (outer_loss_fn, inner_loss_fn, params, hparams)
-    match method:
-        case "unrolled":
-            return unrolled(*args, _config(method, config, UnrolledConfig), grad_sync=grad_sync)
-        case "darts":
-            return darts(*args, _config(method, config, DartsConfig), grad_sync=grad_sync)
-        case "neumann":
-            return neumann(*args, _config(method, config, NeumannConfig), grad_sync=grad_sync)
-        case "cg":
-            return cg(*args, _config(method, config, CGConfig), grad_sync=grad_sync)
-        case "sama":
-            return sama(*args, _config(method, config, SamaConfig), grad_sync=grad_sync)
-        case "reinforce":
-            return reinforce(*args, _config(method, config, ReinforceConfig),
-                             grad_sync=grad_sync)
-    raise ValueError(f"hypergradient method {method!r} is not known; choose one of: "
-                     f"{', '.join(METHODS)}")
+    """The hypergradient of a registered method by name (:func:`unrolled`, :func:`darts`,
+    :func:`neumann`, :func:`cg`, :func:`~metadist.meta.directional.sama`,
+    :func:`~metadist.meta.directional.reinforce`, or one added with
+    :func:`~metadist.meta.methods.register_hypergradient`); ``config`` must be that
+    method's config class (None: its defaults)."""
+    return hypergradient_method(method).hypergradient(
+        outer_loss_fn, inner_loss_fn, params, hparams, config, grad_sync=grad_sync)

@@ -5,12 +5,13 @@ How parameters that are not leaves live in a module
 ----------------------------------------------------
 After a differentiable step a parameter is ``p - lr * g``: a non-leaf tensor, not an
 ``nn.Parameter``. metadist writes such tensors straight into the owning module's
-``_parameters`` dict (``nn.Module.__setattr__`` would refuse them; ``torch.func.functional_call``
-swaps tensors in the same way). Deleting the entry and setting a plain attribute instead would
-hide the tensor from ``named_parameters()``, ``state_dict()``, ``DistributedModule.
-full_parameters()`` and the next optimiser step. Keeping it in ``_parameters`` keeps all of
-those working, keeps the module's class, and a tied weight stays one entry: every
-(module, name) slot that held the same tensor receives the same new tensor.
+``_parameters`` dict (``nn.Module.__setattr__`` would refuse them): strategies/bind.py's
+``rebind_parameters`` writes them there, where ``bind_parameters`` swaps tensors for one
+forward. Deleting the entry and setting a plain attribute instead would hide the tensor
+from ``named_parameters()``, ``state_dict()``, ``DistributedModule.full_parameters()`` and
+the next optimiser step. Keeping it in ``_parameters`` keeps all of those working, keeps
+the module's class, and a tied weight stays one entry: every (module, name) slot that held
+the same tensor receives the same new tensor.
 ``recover_state_dict`` puts the original leaves back. (Avoid ``module.to(...)`` while
 non-leaf parameters are in place: it would wrap them back into detached leaves.)
 
@@ -34,11 +35,12 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import Tensor, nn
 
+from metadist.strategies.bind import bind_parameters, rebind_parameters
 from metadist.strategies.module import DistributedModule
 
 By = Literal["reference", "copy", "deepcopy"]
 BY_CHOICES = ("reference", "copy", "deepcopy")
-Slot = tuple[nn.Module, str]
+ParamUse = tuple[nn.Module, str]
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -62,10 +64,10 @@ def iter_slots(module: nn.Module, kind: Literal["_parameters", "_buffers"]
             yield (f"{prefix}.{local}" if prefix else local), owner, local, tensor
 
 
-def trainable_slots(module: nn.Module) -> list[tuple[str, list[Slot]]]:
+def trainable_slots(module: nn.Module) -> list[tuple[str, list[ParamUse]]]:
     """One entry per distinct trainable parameter, in ``named_parameters()`` order and under
     its first name, with every slot that holds it (several when weights are tied)."""
-    by_tensor: dict[int, tuple[str, list[Slot]]] = {}
+    by_tensor: dict[int, tuple[str, list[ParamUse]]] = {}
     for name, owner, local, tensor in iter_slots(module, "_parameters"):
         if tensor.requires_grad:
             by_tensor.setdefault(id(tensor), (name, []))[1].append((owner, local))
@@ -185,18 +187,14 @@ def recover_state_dict(target: nn.Module | Any, state: Any) -> None:
     if not isinstance(state, Mapping):
         raise TypeError("recover_state_dict(module, state) needs the name -> tensor mapping "
                         f"from extract_state_dict(module), got {type(state).__name__}")
-    known: set[str] = set()
     inner = unwrap(target)
-    for kind in ("_parameters", "_buffers"):
-        for name, owner, local, _ in list(iter_slots(inner, kind)):
-            known.add(name)
-            if name in state:
-                getattr(owner, kind)[local] = state[name]
+    known = {name for kind in ("_parameters", "_buffers") for name, *_ in iter_slots(inner, kind)}
     unknown = sorted(set(state) - known)
-    if unknown:
+    if unknown:  # before anything changes
         raise KeyError(f"the snapshot names {', '.join(unknown[:5])}"
                        f"{' ...' if len(unknown) > 5 else ''}, which the module does not have; "
                        "recover into the module the snapshot was extracted from")
+    rebind_parameters(inner, state)
 
 
 def functional_call(module: nn.Module, params: Mapping[str, Tensor] | Sequence[Tensor],
@@ -204,9 +202,11 @@ def functional_call(module: nn.Module, params: Mapping[str, Tensor] | Sequence[T
     """Run ``module`` with ``params`` in place of its parameters (its own are untouched).
 
     ``params`` is a name -> tensor mapping (buffers may be included; names not given keep
-    their current tensors; one name of a tied pair sets both), or a sequence matching
-    ``module.named_parameters()`` order (what ``tuple(module.parameters())`` gives).
-    A thin layer over ``torch.func.functional_call``.
+    their current tensors; one name of a tied pair sets both; a name the module does not
+    have raises), or a sequence matching ``module.named_parameters()`` order (what
+    ``tuple(module.parameters())`` gives). ``args`` is a tuple of positional arguments or a
+    single one, as for ``torch.func.functional_call``; it runs under
+    :func:`~metadist.strategies.bind.bind_parameters`.
     """
     if isinstance(params, Mapping):
         named = dict(params)
@@ -218,4 +218,5 @@ def functional_call(module: nn.Module, params: Mapping[str, Tensor] | Sequence[T
                              f"parameters ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                              "); pass one per named_parameters() entry, or a name -> tensor dict")
         named = dict(zip(names, values, strict=True))
-    return torch.func.functional_call(module, named, args, kwargs)
+    with bind_parameters(module, named):
+        return module(*(args if isinstance(args, tuple) else (args,)), **(kwargs or {}))

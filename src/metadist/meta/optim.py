@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from metadist.meta.adaptive import adadelta, adagrad, adamax, radam, rmsprop
-from metadist.meta.modules import Slot, trainable_slots, unwrap
+from metadist.meta.modules import ParamUse, trainable_slots, unwrap
 from metadist.meta.transforms import (
     Mask,
     Scalar,
@@ -35,6 +35,7 @@ from metadist.meta.transforms import (
     apply_updates,
     sgd,
 )
+from metadist.strategies.bind import rebind_parameters
 
 GradSync = Callable[[tuple[Tensor, ...]], tuple[Tensor, ...]]
 
@@ -59,10 +60,11 @@ class MetaOptimizer:
                             f"{type(module).__name__}; for tensors use the functional form "
                             "(metadist.meta.sgd, adam, rmsprop, chain, ...)")
         self.module = unwrap(module)  # a strategy's wrapper binds the user's module
+        self._root = module  # what the names below are relative to
         self.transform = transform
         self.create_graph = create_graph
         self.grad_sync = grad_sync
-        self._slots: list[tuple[str, list[Slot]]] = trainable_slots(module)
+        self._slots: list[tuple[str, list[ParamUse]]] = trainable_slots(module)
         if not self._slots:
             raise ValueError(f"{type(module).__name__} has no parameter with requires_grad=True; "
                              "a meta-optimiser needs trainable parameters to step")
@@ -98,11 +100,9 @@ class MetaOptimizer:
             grads = self.grad_sync(tuple(grads))
         updates, self.state = self.transform.update(
             dict(zip(params, grads, strict=True)), self.state, params=params)
-        new = apply_updates(params, updates)
-        for name, slots in self._slots:
-            for owner, local in slots:
-                # Directly into _parameters: see metadist.meta.modules for why.
-                owner._parameters[local] = new[name]
+        # Into the module's parameter entries (every use of a tied weight): see
+        # metadist.meta.modules for why.
+        rebind_parameters(self._root, apply_updates(params, updates))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to clear (gradients are returned, never accumulated); kept so code written

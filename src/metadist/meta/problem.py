@@ -29,10 +29,11 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
 from metadist.meta.config import ProblemConfig
-from metadist.meta.modules import Slot, trainable_slots
+from metadist.meta.modules import trainable_slots
 from metadist.strategies.base import Strategy
-from metadist.strategies.fsdp import ShardedModule
-from metadist.strategies.module import DistributedModule, explicit_parameters
+from metadist.strategies.bind import bind_parameters
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.placement import Part, paste
 
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine
@@ -87,7 +88,7 @@ class Problem(ABC):
         self._module: nn.Module = module
         self._replica: nn.Module | None = None  # rank 0's local copy for validation
         self.replicated = True
-        self._slots: dict[str, list[Slot]] = {}
+        self._names: frozenset[str] = frozenset()  # trainable, for run_with's check
         self._trainable: list[Tensor] = []
         self._engine: Engine | None = None
         self._iterator: Any = None
@@ -130,7 +131,7 @@ class Problem(ABC):
         if self._engine is not None and self._engine.validating and self._replica is not None:
             return {n: p for n, p in self._replica.named_parameters() if p.requires_grad}
         forward = self.wrapped.__dict__.get("forward")
-        if isinstance(forward, Binding):
+        if isinstance(forward, BoundForward):
             return dict(forward.parameters())
         return self.wrapped.full_parameters()
 
@@ -138,7 +139,8 @@ class Problem(ABC):
         """Run this problem's module on ``params`` (names as in :meth:`parameters_dict`), e.g.
         weights adapted in an inner loop; works under every strategy and in validation."""
         if self._engine is not None and self._engine.validating and self._replica is not None:
-            return torch.func.functional_call(self._replica, dict(params), args, kwargs)
+            with bind_parameters(self._replica, params):
+                return self._replica(*args, **kwargs)
         return self.run_with(params, args, kwargs)
 
     def __getattr__(self, name: str) -> Problem:
@@ -173,11 +175,12 @@ class Problem(ABC):
                                "optimizer object; its LR scheduler would be left behind")
         self._module = module
         # Replicated strategies (single, ddp, zero1, zero2) keep whole leaf parameters in the
-        # module: those run on explicit tensors by swapping module slots (much cheaper than
-        # torch.func.functional_call for small models); sharded ones use functional_forward.
-        self.replicated = not isinstance(module, ShardedModule) and all(
+        # module: those run on explicit tensors bound into the user's module (run_with);
+        # sharded ones use functional_forward, which places full parameters over the shards.
+        self._placement = module.placements()  # where its tensors live, for the setup's life
+        self.replicated = self._placement.in_module and all(
             t.is_leaf for t in module.full_parameters().values())
-        self._slots = dict(trainable_slots(module.module)) if self.replicated else {}
+        self._names = frozenset(n for n, _ in trainable_slots(module.module))
         if isinstance(self.train_data_loader, DataLoader):
             # Other iterables are read as they are: sharding them is up to the user.
             self.train_data_loader = strategy.setup_dataloader(self.train_data_loader,
@@ -220,23 +223,14 @@ class Problem(ABC):
         module = self.wrapped
         if not self.replicated:
             return module.functional_forward(params, *args, **kwargs)
-        unknown = sorted(set(params) - set(self._slots))
+        unknown = sorted(set(params) - self._names)
         if unknown:
             raise ValueError(f"problem {self.name!r} has no trainable parameter(s) {unknown}; "
                              "use the names of self.parameters_dict()")
-        module.wait_params()  # zero1/zero2: refreshes in flight land in these slots
+        module.wait_params()  # zero1/zero2: refreshes in flight land in these parameters
         module.pre_forward()
-        saved: list[tuple[nn.Module, str, Any]] = []
-        try:
-            for name, value in params.items():
-                for owner, local in self._slots[name]:
-                    saved.append((owner, local, owner._parameters[local]))
-                    owner._parameters[local] = value  # type: ignore[assignment]
-            with explicit_parameters():
-                return module.run(module.module, args, kwargs)
-        finally:
-            for owner, local, old in reversed(saved):
-                owner._parameters[local] = old
+        with bind_parameters(module.module, params):
+            return module.run(module.module, args, kwargs)
 
     def trainable(self) -> list[Tensor]:
         """The leaf tensors this problem's gradients accumulate into (shards under zero3),
@@ -255,40 +249,40 @@ class Problem(ABC):
         the tensors are the caller's to give away (fresh results), so none is copied."""
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         module = self.wrapped
-        if isinstance(module, ShardedModule):
-            # zero3/hsdp: the optimizer steps flat shards; cut this rank's slice of every
-            # padded flat buffer out of the full gradients (the layout load_state_dict uses).
-            for flat in module.flats:
-                if id(flat.shard) not in stepped:
-                    continue
-                full = torch.zeros(flat.padded, dtype=flat.shard.dtype, device=flat.device)
-                for slot in flat.slots:
-                    g = grads.get(slot.fqn)
-                    if g is not None:
-                        full[slot.offset:slot.offset + slot.numel] = g.detach().reshape(-1)
-                lo = flat.rank * flat.shard_size
-                _add_grad(flat.shard, full[lo:lo + flat.shard_size])
-            return
-        params = module.full_parameters()
+        # Each gradient lands in the parts of its parameter this rank's optimizer steps (a
+        # whole parameter, or its slice of a zero3 flat shard; strategies/placement.py).
+        landing: dict[int, tuple[Tensor, list[tuple[Part, Tensor]]]] = {}
         for name, g in grads.items():
-            p = params.get(name)
-            if p is None:
+            placement = self._placement.find(name)
+            if placement is None:
                 raise KeyError(f"problem {self.name!r} has no trainable parameter {name!r}")
-            if not p.is_leaf:
-                raise TypeError(f"problem {self.name!r}: strategy module "
-                                f"{type(module).__name__} keeps its parameters outside the "
-                                "module; the engine supports single, ddp, zero1, zero2, zero3 "
-                                "and hsdp")
-            if id(p) in stepped:  # zero1/zero2: only this rank's own parameters
-                _add_grad(p, g, owned)
+            for part in placement.parts:
+                if not part.local.is_leaf:
+                    raise TypeError(f"problem {self.name!r}: strategy module "
+                                    f"{type(module).__name__} keeps its parameters outside the "
+                                    "module; the engine supports single, ddp, zero1, zero2, "
+                                    "zero3 and hsdp")
+                if id(part.local) in stepped:  # zero1/zero2: only this rank's own parameters
+                    landing.setdefault(id(part.local), (part.local, []))[1].append((part, g))
+        for local, pieces in landing.values():
+            part, g = pieces[0]
+            if len(pieces) == 1 and part.numel == local.numel() and g.shape == local.shape:
+                _add_grad(local, g, owned)  # the whole tensor: no buffer to fill
+                continue
+            # slices of several parameters (zero3): zeros where none has a gradient
+            buf = torch.zeros(local.numel(), dtype=local.dtype, device=local.device)
+            for part, g in pieces:
+                paste(part.on(buf), g.detach().reshape(-1)[part.start:part.stop])
+            _add_grad(local, buf.view(local.shape), owned=True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"
 
 
-class Binding:
-    """What a problem's wrapped module runs on inside an engine context: ``explicit``
-    parameters, or (``explicit=None``) detached copies of its own, fetched on first use."""
+class BoundForward:
+    """The forward of a problem's wrapped module inside an engine context (``Engine._bound``):
+    runs on ``explicit`` parameters, or (``explicit=None``) on detached copies of its own,
+    fetched on first use, through :meth:`Problem.run_with`."""
 
     def __init__(self, problem: Problem, explicit: Mapping[str, Tensor] | None) -> None:
         self.problem, self._params = problem, explicit

@@ -99,8 +99,9 @@ def _choose_backend(requested: str | None, local_world_size: int) -> str:
             )
 
 
-def _choose_device(requested: str | torch.device | None, backend: str, local_rank: int,
-                   local_world_size: int) -> torch.device:
+def _pick_device(requested: str | torch.device | None, backend: str, local_rank: int,
+                 local_world_size: int) -> torch.device:
+    """The device a rank uses (:func:`init` then selects it: ``torch.cuda.set_device``)."""
     if requested is not None:
         device = torch.device(requested)
         if str(device) == "cuda":  # no index given: this rank's own GPU
@@ -109,13 +110,12 @@ def _choose_device(requested: str | torch.device | None, backend: str, local_ran
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if device.type == "cuda":
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"local rank {local_rank} wants {device} but only {torch.cuda.device_count()} "
-                "GPU(s) are visible; start fewer processes per node or pass device='cpu'"
-            )
-        torch.cuda.set_device(device)
+    if (device.type == "cuda" and device.index is not None
+            and device.index >= torch.cuda.device_count()):
+        raise ValueError(
+            f"local rank {local_rank} wants {device} but only {torch.cuda.device_count()} "
+            "GPU(s) are visible; start fewer processes per node or pass device='cpu'"
+        )
     return device
 
 
@@ -173,15 +173,15 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
         configure_debug(debug)
         detected = launch_env.detect()
         config = watchdog.WatchdogConfig.for_timeout(limit)
+        world = _check_answered(detected, _planned(detected, backend, device))
+        if world.device.type == "cuda":
+            torch.cuda.set_device(world.device)
         if dist.is_available() and dist.is_initialized():
-            _runtime = _adopt(detected, device)
-            if _runtime.world.world_size > 1:
-                watchdog.start(config, _runtime.world.rank, rendezvous.adopted_progress())
-            return _runtime.world
-        chosen = _choose_backend(backend, detected.local_world_size)
+            _runtime = _Runtime(world, False, *_hybrid_groups(world))
+            if world.world_size > 1:
+                watchdog.start(config, world.rank, rendezvous.adopted_progress())
+            return world
         if detected.world_size == 1:
-            dev = _choose_device(device, chosen, 0, 1)
-            world = World(0, 1, 0, 1, 0, 1, "none", dev, detected.launcher)
             _runtime = _Runtime(world, False, None, SELF)
             return world
         if not detected.master_addr:
@@ -190,13 +190,9 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
                 "set; export MASTER_ADDR=<address of the node running rank 0> (and MASTER_PORT) "
                 "for every rank"
             )
-        dev = _choose_device(device, chosen, detected.local_rank, detected.local_world_size)
         joining = limit if rendezvous_timeout is None else watchdog.resolve_timeout(
             rendezvous_timeout)
-        progress = rendezvous.join(detected, chosen, dev, joining, limit)
-        world = World(detected.rank, detected.world_size, detected.local_rank,
-                      detected.local_world_size, detected.node_rank, detected.num_nodes,
-                      chosen, dev, detected.launcher)
+        progress = rendezvous.join(detected, world.backend, world.device, joining, limit)
         watchdog.start(config, world.rank, progress)
         node_group, cross_group = _hybrid_groups(world)
         _runtime = _Runtime(world, True, node_group, cross_group)
@@ -226,24 +222,66 @@ def _shutdown_quietly() -> None:
         shutdown()
 
 
-def _adopt(detected: launch_env.LaunchEnv, device: str | torch.device | None) -> _Runtime:
-    rank, size = dist.get_rank(), dist.get_world_size()
-    backend = str(dist.get_backend())
-    if detected.rank == rank and detected.world_size == size:
-        local_rank, local_size = detected.local_rank, detected.local_world_size
-        node_rank, num_nodes, launcher = detected.node_rank, detected.num_nodes, detected.launcher
-    else:
-        local_rank, local_size, node_rank, num_nodes, launcher = rank, size, 0, 1, "user"
-    dev = _choose_device(device, backend, local_rank, local_size)
-    world = World(rank, size, local_rank, local_size, node_rank, num_nodes, backend, dev, launcher)
-    node_group, cross_group = _hybrid_groups(world)
-    return _Runtime(world, False, node_group, cross_group)
+def _planned(detected: launch_env.LaunchEnv, backend: str | None,
+             device: str | torch.device | None) -> World:
+    """The :class:`World` ``init(backend, device=device)`` makes, from the launch environment
+    (and a process group the user already created) alone: nothing is joined or selected."""
+    if dist.is_available() and dist.is_initialized():  # adopted
+        rank, size = dist.get_rank(), dist.get_world_size()
+        adopted = str(dist.get_backend())
+        if detected.rank == rank and detected.world_size == size:
+            local_rank, local_size = detected.local_rank, detected.local_world_size
+            node_rank, num_nodes, launcher = (detected.node_rank, detected.num_nodes,
+                                              detected.launcher)
+        else:
+            local_rank, local_size, node_rank, num_nodes, launcher = rank, size, 0, 1, "user"
+        dev = _pick_device(device, adopted, local_rank, local_size)
+        return World(rank, size, local_rank, local_size, node_rank, num_nodes, adopted, dev,
+                     launcher)
+    chosen = _choose_backend(backend, detected.local_world_size)
+    if detected.world_size == 1:
+        return World(0, 1, 0, 1, 0, 1, "none", _pick_device(device, chosen, 0, 1),
+                     detected.launcher)
+    dev = _pick_device(device, chosen, detected.local_rank, detected.local_world_size)
+    return World(detected.rank, detected.world_size, detected.local_rank,
+                 detected.local_world_size, detected.node_rank, detected.num_nodes, chosen, dev,
+                 detected.launcher)
+
+
+# What peek() answered before init, and from which launch environment.
+_answered: tuple[launch_env.LaunchEnv, World] | None = None
+
+
+def peek() -> World:
+    """This process's :class:`World` without joining the job: the initialised one, else the
+    one :func:`init` with default arguments will make, read from the launch environment
+    (nothing is joined, no socket opened). An ``init`` that would then make another world
+    (other ``backend``/``device`` arguments) raises instead of contradicting the answer."""
+    global _answered
+    with _lock:
+        if _runtime is not None:
+            return _runtime.world
+        detected = launch_env.detect()
+        world = _planned(detected, None, None)
+        _answered = (detected, world)
+        return world
+
+
+def _check_answered(detected: launch_env.LaunchEnv, world: World) -> World:
+    global _answered
+    answered, _answered = _answered, None
+    if answered is not None and answered[0] == detected and answered[1] != world:
+        raise ValueError(
+            f"strategy.world (or .device) was read before metadist.init and answered "
+            f"{answered[1]}, but this init makes {world}; call metadist.init(...) with these "
+            "arguments before reading strategy.world or strategy.device")
+    return world
 
 
 def forget_inherited() -> None:
     """Drop a runtime copied into a forked child: the child must join its own job."""
-    global _runtime
-    _runtime = None
+    global _runtime, _answered
+    _runtime = _answered = None
     watchdog.forget_inherited()
 
 

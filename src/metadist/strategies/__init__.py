@@ -2,6 +2,7 @@
 
 from metadist.strategies import ddp, dp, fsdp, hsdp, single, zero
 from metadist.strategies.base import Strategy, StrategyConfig, available, register, strategy
+from metadist.strategies.bind import bind_parameters
 from metadist.strategies.deferred import deferred_init
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
@@ -12,6 +13,7 @@ __all__ = [
     "StrategyConfig",
     "SyncBatchNorm",
     "available",
+    "bind_parameters",
     "convert_sync_batchnorm",
     "ddp",
     "deferred_init",

@@ -18,11 +18,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from metadist.strategies.module import explicit_parameters, explicit_parameters_active
+from metadist.strategies.bind import Rebinding, captured, explicit_parameters_active
 from metadist.strategies.wrap import CHECKPOINTED
 
 ModulePredicate = Callable[[nn.Module], bool]
@@ -48,58 +47,18 @@ class CheckpointWrapper(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Recomputation runs in backward, after a functional forward (fast weights of an
         # inner loop) has restored the module's own parameters. Capture what this forward
-        # ran with and rebind exactly that for the recomputation, or the gradients would be
+        # ran with and rebind exactly that for the recomputation (re-enterable: a graph may
+        # be recomputed more than once, e.g. in double backward), or the gradients would be
         # those of the wrong weights.
         explicit = explicit_parameters_active()
-        bindings = _bindings(self.checkpointed) if explicit else []
+        rebound = Rebinding(captured(self.checkpointed) if explicit else [], explicit)
 
         def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-            return nullcontext(), _Rebound(bindings, explicit)
+            return nullcontext(), rebound
 
         return checkpoint(self.checkpointed, *args, use_reentrant=False,
                           preserve_rng_state=self.preserve_rng_state, context_fn=contexts,
                           **kwargs)
-
-
-Binding = tuple[dict[str, Any], str, Any]  # (the dict that holds it, name, tensor)
-
-
-def _bindings(module: nn.Module) -> list[Binding]:
-    """Every tensor the subtree's forward reads by attribute: parameters and buffers, also
-    those replaced by plain tensors (functional_call, zero3's gathered views)."""
-    out: list[Binding] = []
-    for m in module.modules():
-        for store in (m._parameters, m._buffers):
-            out.extend((store, name, t) for name, t in store.items() if t is not None)
-        out.extend((m.__dict__, name, t) for name, t in m.__dict__.items()
-                   if isinstance(t, torch.Tensor))
-    return out
-
-
-class _Rebound:
-    """Re-enterable (a graph may be recomputed more than once, e.g. in double backward):
-    binds the captured tensors and the explicit-parameters state, restores both on exit."""
-
-    def __init__(self, bindings: list[Binding], explicit: bool) -> None:
-        self.bindings, self.explicit = bindings, explicit
-        self._stack: list[tuple[list[Binding], AbstractContextManager[None]]] = []
-
-    def __enter__(self) -> None:
-        previous = [(store, name, store.get(name)) for store, name, _ in self.bindings]
-        for store, name, t in self.bindings:
-            store[name] = t
-        state = explicit_parameters(self.explicit)
-        state.__enter__()
-        self._stack.append((previous, state))
-
-    def __exit__(self, *exc: object) -> None:
-        previous, state = self._stack.pop()
-        state.__exit__(None, None, None)
-        for store, name, t in reversed(previous):
-            if t is None:
-                store.pop(name, None)
-            else:
-                store[name] = t
 
 
 _PREFIX = CHECKPOINTED + "."

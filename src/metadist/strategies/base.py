@@ -9,6 +9,7 @@ frozen dataclass of options; registering it here makes its name (and aliases) av
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from abc import ABC, abstractmethod
@@ -26,7 +27,7 @@ from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
-from metadist.strategies import deferred, grad_norm, ownership
+from metadist.strategies import deferred, grad_norm, ownership, step_chain
 from metadist.strategies.activation import CheckpointPolicy, apply_activation_checkpointing
 from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
@@ -222,10 +223,18 @@ class Strategy(ABC):
         return parse_dtype(self.config.reduce_dtype)
 
     # ----- who and where ---------------------------------------------------------------
+    def init(self) -> World:
+        """Join the job this process was launched into (:func:`metadist.init` with its
+        defaults; idempotent). ``setup``, ``backward``, ``all_reduce``, ``save`` and every
+        other method that communicates call it; call it yourself to join earlier."""
+        return _world.init()
+
     @property
     def world(self) -> World:
-        """The job's :class:`~metadist.World` (initialises metadist on first use)."""
-        return _world.init()
+        """The job's :class:`~metadist.World`. Reading it joins nothing: before the job is
+        joined it is answered from the launch environment, exactly as :meth:`init` will
+        make it (see ``metadist.runtime.world.peek``)."""
+        return _world.peek()
 
     @property
     def is_global_zero(self) -> bool:
@@ -247,7 +256,7 @@ class Strategy(ABC):
             raise ValueError("setup(model, optimizer) needs the optimizer; for the module alone "
                              "call strategy.setup_module(model)")
         _check_optimizer_matches(model, optimizer)
-        module = self.setup_module(model)
+        module = self.setup_module(model)  # joins the job
         return module, self.setup_optimizer(module, optimizer)
 
     def setup_module(self, model: nn.Module) -> DistributedModule:
@@ -255,6 +264,7 @@ class Strategy(ABC):
         this strategy (the forward runs under the precision's autocast). A module compiled
         before setup (``torch.compile(model)``, ``model.compile()``) is set up uncompiled and
         the set-up model compiled with the same options (see strategies/compile.py)."""
+        self.init()
         model, compiled = take_compile(model)
         log = deferred.log_of(model)
         if log is None:
@@ -290,10 +300,18 @@ class Strategy(ABC):
             raise TypeError("setup_optimizer(module, optimizer) needs the module returned by "
                             "strategy.setup_module(model); or call strategy.setup(model, "
                             "optimizer) for both")
-        optimizer = self._setup_optimizer(module, optimizer)
-        ownership.adopt(optimizer)
-        if self.scaler is not None:
-            self.scaler.attach(optimizer)  # after the strategy's hooks: gradients are synced
+        step_chain.check_not_set_up(optimizer)
+        self.init()
+        try:
+            optimizer = self._setup_optimizer(module, optimizer)  # fills the strategy's phases
+            if self.scaler is not None:
+                chain = step_chain.building(optimizer)
+                chain.add("unscale", functools.partial(self.scaler.before_step, optimizer))
+                chain.add("update_scale", self.scaler.after_step)
+        except BaseException:
+            step_chain.discard(optimizer)
+            raise
+        step_chain.install(optimizer)  # one pre- and one post-step hook, phases in order
         return optimizer
 
     @abstractmethod
@@ -302,7 +320,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
-        """The strategy's own optimizer adaptation (sharding, step hooks)."""
+        """The strategy's own optimizer adaptation: sharding, and the phases of
+        ``step_chain.building(optimizer)`` it owns (see strategies/step_chain.py)."""
 
     def setup_dataloader(self, loader: DataLoader[Any], *, seed: int = 0,
                          dataset_shards_itself: bool = False) -> DataLoader[Any]:
@@ -314,7 +333,7 @@ class Strategy(ABC):
         """
         from metadist.data import distribute_loader
 
-        w = self.world
+        w = self.init()
         return distribute_loader(loader, rank=w.rank, world_size=w.world_size, seed=seed,
                                  on_batch=self.set_batch_weight,
                                  dataset_shards_itself=dataset_shards_itself)
@@ -345,7 +364,7 @@ class Strategy(ABC):
         gradient reaches a module this or another strategy set up and no ``nn.Parameter``
         outside one: those gradients would stay local and the ranks would drift apart."""
         if not self._backward_checked or ops.debug_enabled():
-            if self.world.world_size > 1:
+            if self.init().world_size > 1:
                 ownership.check_backward(loss, kwargs.get("inputs"), self.name)
             self._backward_checked = True
         if self.scaler is not None:
@@ -364,6 +383,7 @@ class Strategy(ABC):
         Under "16-mixed" the gradients still carry the loss scale here: clipping them to
         ``max_norm * scale`` is the same clip, and the norm is reported unscaled.
         """
+        self.init()
         scale = self.scaler.current_scale() if self.scaler is not None else 1.0
         return self._clip_grad_norm(module, max_norm * scale, norm_type) / scale
 
@@ -374,6 +394,7 @@ class Strategy(ABC):
 
     def all_reduce(self, value: torch.Tensor | float, op: ReduceOpName = "mean") -> torch.Tensor:
         """Reduce a metric across ranks (returns a new tensor on the strategy's device)."""
+        self.init()
         t = torch.as_tensor(value, device=self.device).detach().clone()
         if not t.is_floating_point() and op == "mean":
             t = t.double()
@@ -383,6 +404,7 @@ class Strategy(ABC):
     def sync_grads(self, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Average a tuple of gradients (e.g. from ``torch.autograd.grad``) across ranks,
         differentiably, so hypergradient code stays exact; see ``comm.functional``."""
+        self.init()
         present = [g for g in grads if g is not None]
         scale = self.grad_scale()
         reduced = iter(functional.all_reduce_many([g * scale for g in present], "sum"))
@@ -395,6 +417,7 @@ class Strategy(ABC):
         (``optimizer.state_dict()`` is this rank's shard; ``load_state_dict`` takes either.)"""
         from metadist.strategies.sharded_optim import full_state_dict
 
+        self.init()
         return full_state_dict(optimizer, to)
 
     # ----- checkpoints -------------------------------------------------------------------
@@ -405,6 +428,7 @@ class Strategy(ABC):
         rank 0). Collective; atomic. See :mod:`metadist.checkpoint`."""
         from metadist import checkpoint
 
+        self.init()
         checkpoint.save(self, path, state, format=format)
 
     def load(self, path: str | os.PathLike[str], state: dict[str, Any]) -> dict[str, Any]:
@@ -412,12 +436,15 @@ class Strategy(ABC):
         strategy at any world size; returns the plain values it held. Collective."""
         from metadist import checkpoint
 
+        self.init()
         return checkpoint.load(self, path, state)
 
     def barrier(self) -> None:
+        self.init()
         ops.barrier()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self.init()
         return ops.broadcast_object(obj, src)
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from metadist.comm import fused
+from metadist.strategies import step_chain
 from metadist.strategies.base import Strategy, StrategyConfig, register
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.module import DistributedModule
@@ -73,7 +74,7 @@ def move_optimizer_state(optimizer: Optimizer) -> None:
 def hook_reducer(optimizer: Optimizer, reducer: Reducer) -> None:
     """Sync gradients that ``no_sync`` left local before ``optimizer.step()`` (every other
     backward has synced by its end)."""
-    optimizer.register_step_pre_hook(lambda *_: reducer.sync())
+    step_chain.building(optimizer).add("sync_grads", reducer.sync)
 
 
 @register("ddp", "distributed")

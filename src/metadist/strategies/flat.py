@@ -19,6 +19,11 @@ Graphs that no unit hook re-gathers for (``full_parameters()``, the parameters
 ``functional_forward`` fills in) get :meth:`FlatParam.owned`: a gathered copy of their own
 behind :class:`_UnshardOwned`, shared by the calls until the next optimizer step. No forward
 or backward in between can free it, and a graph kept with ``retain_graph`` can run again.
+
+The buffer is kept while anyone claims it: its unit (strategies/unit_state.py), unshards
+still to be backpropagated (``live``), a pin (:meth:`FlatParam.pin`, by the backward holds).
+Each claim changes only through its owner's methods; :meth:`FlatParam.after_step` voids the
+flat's own when the shard changes.
 """
 
 from __future__ import annotations
@@ -35,8 +40,16 @@ from torch.optim import Optimizer
 from metadist.comm import functional, ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import SELF, Group
+from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.buckets import will_accumulate
-from metadist.strategies.sharded_optim import OptimizerLayout, StateEntry
+from metadist.strategies.placement import (
+    OptimizerPlacement,
+    flat_optimizer,
+    flat_part,
+    paste,
+    per_element,
+)
+from metadist.strategies.sharded_optim import OptimizerLayout, ParamState
 
 # A process-wide count, not a context variable: autograd may run a backward on a device thread.
 _reduced_shard_grads = 0
@@ -105,12 +118,9 @@ class FlatParam:
             # Only this rank's range is copied: the whole unit is never assembled a second
             # time (setup's peak, and a deferred-init model's, stays one unit above shards).
             shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
-            lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
             for slot, p in zip(slots, originals, strict=True):
-                start, stop = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if start < stop:
-                    piece = p.detach().reshape(-1)[start - slot.offset:stop - slot.offset]
-                    shard[start - lo:stop - lo].copy_(piece)
+                for part in flat_part(shard, rank * self.shard_size, slot.offset, slot.numel):
+                    paste(part, p.detach().reshape(-1)[part.start:part.stop])
             if offload:
                 shard = shard.cpu().pin_memory() if device.type == "cuda" else shard.cpu()
         self.shard = nn.Parameter(shard, requires_grad=originals[0].requires_grad)
@@ -122,18 +132,45 @@ class FlatParam:
         self._handle: Handle | None = None
         self._filled_from = -1  # the shard's version the full buffer was gathered from
         self._staged: torch.Tensor | None = None
-        self.live = 0  # forward graphs (with grad) still to be backpropagated through this buffer
-        self.stash: torch.Tensor | None = None  # unsharded gradients under no_sync
-        self.sync_grads = True
-        #: frozen flats: a recorded graph reads this buffer again; release() keeps it
-        self.pinned = False
-        #: called after each plain backward through the unshard (zero3: its unit's frozen
-        #: flats may go once it has reduced)
-        self.on_reduce: Callable[[], None] | None = None
-        #: (shard version, owned copy): shared by the calls until the shard changes. A strong
-        #: reference: whether a call gathers must not depend on when the garbage collector
-        #: ran on each rank.
-        self.owned_copy: tuple[int, torch.Tensor] | None = None
+        # Claims on the buffer, each changed only by this object's methods:
+        self._live = 0  # unshards (with grad) still to be backpropagated through this buffer
+        self._pinned = False  # a recorded graph reads it again (pin/unpin): release() keeps it
+        # (shard version, owned copy): shared by the calls until the shard changes. A strong
+        # reference: whether a call gathers must not depend on when the garbage collector
+        # ran on each rank.
+        self._owned_copy: tuple[int, torch.Tensor] | None = None
+        self._stash: torch.Tensor | None = None  # unsharded gradients under no_sync
+        self._sync_grads = True
+        self._on_reduce: Callable[[], None] | None = None  # see set_on_reduce
+
+    # ----- claims on the full buffer ------------------------------------------------
+    @property
+    def live(self) -> int:
+        """Unshards (forward graphs with grad) not yet backpropagated through this buffer."""
+        return self._live
+
+    def pin(self) -> None:
+        """A recorded graph reads this buffer again: :meth:`release` keeps it until unpin."""
+        self._pinned = True
+
+    def unpin(self) -> None:
+        self._pinned = False
+
+    def set_on_reduce(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after each plain backward through the unshard (zero3: its unit
+        may end its backward once every flat has reduced)."""
+        self._on_reduce = callback
+
+    def set_sync_grads(self, enabled: bool) -> None:
+        """``no_sync``: while disabled, gradients accumulate unsharded and are reduced with
+        the next synchronised backward."""
+        self._sync_grads = enabled
+
+    def after_step(self) -> None:
+        """The shard changed: every claim on the gathered buffer and the owned copy is void
+        (graphs recorded before the step are not backpropagated again); free it."""
+        self._live, self._pinned, self._owned_copy = 0, False, None
+        self.release()
 
     # ----- gather and free ------------------------------------------------------------
     @property
@@ -178,19 +215,19 @@ class FlatParam:
     def release(self) -> None:
         """Free the full buffer now (after any gather in flight lands), unless pinned."""
         self.wait()
-        if self.gathered and not self.pinned:
+        if self.gathered and not self._pinned:
             self._free()
 
     def maybe_free(self) -> None:
         """Free the full buffer unless a pending gather, a live graph or a pin needs it."""
-        if self.live <= 0 and self._handle is None and self.gathered and not self.pinned:
+        if self._live <= 0 and self._handle is None and self.gathered and not self._pinned:
             self._free()
 
     def unsharded(self, differentiable: bool) -> torch.Tensor:
         """The gathered full buffer; through :class:`_Unshard` when gradients should flow."""
         self.wait_gather()
         if differentiable and self.shard.requires_grad and torch.is_grad_enabled():
-            self.live += 1
+            self._live += 1
             out: torch.Tensor = _Unshard.apply(self.shard, self)
             return out
         return self.full.detach()
@@ -199,18 +236,18 @@ class FlatParam:
         """The full parameters in memory of their own (not the shared buffer): differentiable
         into the shard (through :class:`_UnshardOwned`) when gradients should flow. Calls
         between two changes of the shard (optimizer steps) share one copy, gathered once,
-        which is kept until the shard changes or ``owned_copy`` is cleared (zero3: after the
-        step); calls under no_grad get it detached."""
+        which is kept until the shard changes or :meth:`after_step`; calls under no_grad get
+        it detached."""
         differentiable = self.shard.requires_grad and torch.is_grad_enabled()
-        if self.owned_copy is not None and self.owned_copy[0] == self.shard._version:
-            kept = self.owned_copy[1]
+        if self._owned_copy is not None and self._owned_copy[0] == self.shard._version:
+            kept = self._owned_copy[1]
             if not differentiable:
                 return kept.detach()
             if kept.requires_grad:
                 return kept
         out: torch.Tensor = (_UnshardOwned.apply(self.shard, self) if differentiable
                              else self._gather_copy())
-        self.owned_copy = (self.shard._version, out)
+        self._owned_copy = (self.shard._version, out)
         return out
 
     def _gather_copy(self) -> torch.Tensor:
@@ -241,7 +278,7 @@ class FlatParam:
             _refuse_shard_grad()
         if not owned:
             # at 0 already: a graph kept by retain_graph=True, backpropagated again
-            self.live = max(self.live - 1, 0)
+            self._live = max(self._live - 1, 0)
         scale = self.scale()
         if torch.is_grad_enabled():
             # create_graph: differentiable collectives. The parameters stay gathered: the
@@ -258,13 +295,13 @@ class FlatParam:
             g = g.contiguous().clone()
         if not owned:
             self.maybe_free()  # this graph no longer needs the parameters
-        if self.on_reduce is not None:
-            self.on_reduce()
-        if self.stash is not None:
-            g += self.stash
-            self.stash = None
-        if not self.sync_grads:
-            self.stash = g  # no_sync: accumulate unsharded, reduce with the next synced pass
+        if self._on_reduce is not None:
+            self._on_reduce()
+        if self._stash is not None:
+            g += self._stash
+            self._stash = None
+        if not self._sync_grads:
+            self._stash = g  # no_sync: accumulate unsharded, reduce with the next synced pass
             return None
         # The mean's 1/N is applied to the shard after the reduction (N times fewer elements);
         # only a rank whose batch weight differs from 1/N rescales its full gradient first.
@@ -323,37 +360,6 @@ class _UnshardOwned(torch.autograd.Function):
         return ctx.flat.reduce(grad, owned=True), None
 
 
-class BackwardCoordinator:
-    """Finishes the asynchronous reduce-scatters of a backward pass: each one when the next
-    is launched (it had a unit's backward to progress, and its input buffer is freed early)
-    and the last when backward ends."""
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[FlatParam, torch.Tensor, Handle]] = []
-        self._queued = False
-
-    def defer(self, flat: FlatParam, out: torch.Tensor, handle: Handle) -> None:
-        self._drain()
-        self._pending.append((flat, out, handle))
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
-
-    def _drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for flat, out, handle in pending:
-            flat.finish(out, handle)
-            flat.accumulate(out)
-
-    def _end(self) -> None:
-        self._queued = False
-        self._drain()
-
-
-# Optimizer state kept per parameter, not per element (torch.optim's counters).
-SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
-
-
 class FlatLayout(OptimizerLayout):
     """Optimizer layout of flat shards: each rank steps its shard of every flat buffer."""
 
@@ -380,16 +386,16 @@ class FlatLayout(OptimizerLayout):
         return local
 
     def full_state(self, optimizer: Optimizer, original: list[torch.Tensor],
-                   to: int | None) -> dict[int, StateEntry] | None:
+                   to: int | None) -> dict[int, ParamState] | None:
+        # The generic gather pickles pieces; per-element state is gathered as tensors here.
         index = {id(p): i for i, p in enumerate(original)}
-        out: dict[int, StateEntry] = {}
+        out: dict[int, ParamState] = {}
         for flat in self.flats:
             entry = optimizer.state.get(flat.shard, {})
-            per_param: list[StateEntry] = [{} for _ in flat.slots]
+            per_param: list[ParamState] = [{} for _ in flat.slots]
             for key in sorted(entry):
                 value = entry[key]
-                if (key not in SCALAR_STATE and torch.is_tensor(value)
-                        and value.shape == flat.shard.shape):
+                if per_element(key, value, flat.shard.shape):
                     full = value.new_empty(flat.padded, device=flat.device)
                     ops.all_gather(full, value.to(flat.device), group=flat.group)
                     for d, v in zip(per_param, flat.views(full), strict=True):
@@ -402,29 +408,6 @@ class FlatLayout(OptimizerLayout):
                     out[index[id(p)]] = d
         return out if to is None or ops.group_info(None)[2] == to else None
 
-    def local_state(self, full: dict[int, StateEntry],
-                    original: list[torch.Tensor]) -> dict[torch.Tensor, StateEntry]:
-        index = {id(p): i for i, p in enumerate(original)}
-        out: dict[torch.Tensor, StateEntry] = {}
-        for flat in self.flats:
-            entries = [full.get(index[id(p)], {}) for p in flat.originals]
-            if not any(entries):
-                continue
-            shard: StateEntry = {}
-            for key in sorted({k for e in entries for k in e}):
-                sample = next(e[key] for e in entries if key in e)
-                per_element = key not in SCALAR_STATE and all(
-                    torch.is_tensor(e[key]) and e[key].shape == slot.shape
-                    for e, slot in zip(entries, flat.slots, strict=True) if key in e)
-                if per_element:
-                    flat_value = torch.zeros(flat.padded, dtype=sample.dtype)
-                    for slot, e in zip(flat.slots, entries, strict=True):
-                        if key in e:
-                            flat_value[slot.offset:slot.offset + slot.numel] = (
-                                e[key].detach().reshape(-1).cpu())
-                    lo = flat.rank * flat.shard_size
-                    shard[key] = flat_value[lo:lo + flat.shard_size].to(flat.shard.device)
-                else:
-                    shard[key] = sample
-            out[flat.shard] = shard
-        return out
+    def placements(self, original_groups: list[list[torch.Tensor]]) -> OptimizerPlacement:
+        stepped = [t for g in original_groups for t in self.local_params(g)]
+        return flat_optimizer(self.flats, original_groups, stepped)

@@ -7,16 +7,19 @@ after the forward the buffer is freed (``reshard_after_forward``). In backward a
 unit's outputs gathers it again (prefetching the unit backward reaches next), and the
 unshard's backward reduce-scatters the gradient into the shard, asynchronously.
 
-A unit fused from several modules is gathered and bound once per forward, by the first of its
-members to run, and freed when the members the previous forward ran have all run, in any
-order (FSDP2's group hooks). A member skipped this time cannot keep it gathered: the unit is
-also closed when another unit starts while none of its members runs, or when the forward
-ends. Activation checkpointing recomputes inside backward: there a member's forward only
-makes sure its unit is gathered.
+Each unit's lifetime is one state machine (strategies/unit_state.py has the table)::
 
-Frozen parameters (``requires_grad=False``) get flats of their own, which have no gradient
-(no reduce-scatter) yet are read by the backward through their layers: strategies/units.py
-says when they are gathered and freed in backward.
+    SHARDED ---prefetch---> PREFETCHED ---cancel---> SHARDED
+    SHARDED, PREFETCHED, GATHERED, BACKWARD ---pre_forward---> FORWARD
+    FORWARD ---post_forward (close)---> GATHERED (kept for the backward) or SHARDED
+    SHARDED, GATHERED ---pre_backward---> BACKWARD ---post_backward, reduced---> SHARDED
+    any ---after_step---> SHARDED
+
+The module's hooks only route to the unit's named methods (strategies/units.py: fused units,
+frozen units, activation checkpointing's recomputation); graphs' claims on a buffer
+(unshards to backpropagate, pins, owned copies) are counted by its flat
+(strategies/flat.py), and buffers a backward reads that no unshard frees by
+strategies/backward_holds.py.
 
 Meta-learning: ``full_parameters()`` returns the full parameters through the differentiable
 all-gather, so inner loops adapt full, local fast weights with ``create_graph=True`` and the
@@ -40,28 +43,26 @@ from torch.utils._pytree import tree_leaves
 
 from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
-from metadist.strategies import grad_norm
+from metadist.strategies import grad_norm, step_chain
+from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, place_of
 from metadist.strategies.compile import eager, pieces
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.deferred import DeferredSetup, broadcast_state
 from metadist.strategies.flat import (
-    BackwardCoordinator,
     FlatLayout,
     FlatParam,
     Slot,
     reduced_shard_grads,
 )
 from metadist.strategies.grad_norm import Split
-from metadist.strategies.module import (
-    DistributedModule,
-    explicit_parameters,
-    explicit_parameters_active,
-)
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.placement import ModulePlacement, flat_module
 from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
-from metadist.strategies.units import BackwardHolds, Unit, after_input_grads, in_backward
+from metadist.strategies.units import Schedule, Unit
 from metadist.strategies.wrap import UnitPlan, plan_units
 from metadist.strategies.zero import clip_sharded_grads
 
@@ -99,150 +100,39 @@ class ShardedModule(DistributedModule):
         self.flats = [flat for unit in units for flat in unit.flats]
         self.shards = nn.ParameterList([flat.shard for flat in self.flats])
         self._config = config
-        self._order: list[Unit] = []  # the last forward's unit order: predicts the next one
-        self._seen: list[Unit] = []  # this forward's order so far
-        self._open: list[Unit] = []
-        self._prefetched: list[Unit] = []  # gathered ahead of a forward that has not come yet
         self._handles: list[Any] = []
-        unit_of = {flat: unit for unit in units for flat in unit.flats}
-        self._holds = BackwardHolds(lambda flat: unit_of[flat].open)
+        self._schedule = Schedule(units, reshard_after_forward=config.reshard_after_forward,
+                                  prefetch=config.prefetch)
         for unit in units:
             if unit.is_root:
                 continue
-            if unit.frozen:  # its frozen flats may go once its trainable ones have reduced
-                for flat in unit.flats:
-                    if flat.shard.requires_grad:
-                        flat.on_reduce = partial(self._release_frozen, unit)
             for member in unit.modules:
                 # eager: never traced, also where a user compiled a module around them
                 self._handles.append(member.register_forward_pre_hook(
-                    eager(lambda m, args, kwargs, unit=unit: self._before(unit, args, kwargs)),
-                    with_kwargs=True))
+                    eager(partial(self._route_pre_forward, unit)), with_kwargs=True))
                 self._handles.append(member.register_forward_hook(
-                    eager(lambda m, args, out, unit=unit: self._after(unit, m, out)),
+                    eager(partial(self._route_post_forward, unit)),
                     always_call=True))  # an exception must not leave the unit running
 
-    # ----- forward and backward hooks -------------------------------------------------
-    def _next(self, unit: Unit, step: int) -> Unit | None:
-        if unit not in self._order:
-            return None
-        i = self._order.index(unit) + step
-        return self._order[i] if 0 <= i < len(self._order) else None
-
-    def _before(self, unit: Unit, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    # ----- hooks: routed to the units (strategies/units.py) ---------------------------
+    @staticmethod
+    def _route_pre_forward(unit: Unit, member: nn.Module, args: tuple[Any, ...],
+                           kwargs: dict[str, Any]
+                           ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if explicit_parameters_active():  # functional_forward bound the parameters itself
             return None
-        if in_backward():  # recomputation: the original graph's views need the buffer
-            unit.wait_gather()
-            self._holds.hold(unit.frozen, recomputing=True)
-            if torch.is_grad_enabled() and not unit.grad:
-                unit.bind()  # reentrant checkpointing backpropagates through the recomputation
-            return None
-        if not unit.open:
-            self._start(unit)
-        elif torch.is_grad_enabled() and not unit.grad:
-            unit.bind()  # opened under no_grad: this member's graph needs its own unshard
-        unit.running += 1
-        if not unit.frozen or not torch.is_grad_enabled():
-            return None
-        # Frozen flats have no gradient to tell when backward is done with them: a node on
-        # the member's inputs does (see units.py).
-        out = after_input_grads(args, kwargs, partial(self._post_backward, unit))
-        if out is not None:
-            unit.pending += 1
-        return out
+        return unit.pre_forward(args, kwargs)
 
-    def _start(self, unit: Unit) -> None:
-        # Units that are not running are done with, as are gathers made for a unit that did
-        # not come: at most this unit and the one prefetched next stay gathered.
-        for other in [u for u in self._open if u.running == 0]:
-            self._close(other)
-        for other in self._prefetched:
-            if other is not unit:
-                other.free()
-        self._prefetched.clear()
-        if unit not in self._seen:
-            self._seen.append(unit)
-        unit.open, unit.waiting, unit.graph = True, set(unit.expected), False
-        self._open.append(unit)
-        unit.bind()
-        nxt = self._next(unit, +1)
-        if self._config.prefetch and nxt is not None and nxt.start_gather():
-            self._prefetched.append(nxt)
-
-    def _after(self, unit: Unit, member: nn.Module, output: Any) -> Any:
-        if explicit_parameters_active() or in_backward() or not unit.open:
-            return output
-        if torch.is_grad_enabled():
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    unit.graph = True
-                    t.register_hook(lambda g, unit=unit: self._before_backward(unit))
-        unit.running = max(unit.running - 1, 0)  # 0 if its pre-hook raised before counting
-        unit.ran.add(member)
-        unit.waiting.discard(member)
-        if unit.running == 0 and not unit.waiting:
-            self._close(unit)
+    @staticmethod
+    def _route_post_forward(unit: Unit, member: nn.Module, args: Any, output: Any) -> Any:
+        if not explicit_parameters_active():
+            unit.post_forward(member, output)
         return output
-
-    def _close(self, unit: Unit) -> None:
-        self._open.remove(unit)
-        unit.open, unit.running = False, 0
-        # The last unit of the forward is the first of backward: keep it gathered, as long
-        # as a backward will come (frozen flats: only if the outputs need one).
-        last = bool(self._order) and unit is self._order[-1]
-        keep = not self._config.reshard_after_forward or last
-        for flat in unit.flats:
-            if not (keep and (unit.grad if flat.shard.requires_grad else unit.graph)):
-                flat.release()
-
-    def _before_backward(self, unit: Unit) -> None:
-        trainable = [flat for flat in unit.flats if flat.shard.requires_grad]
-        for flat in trainable:
-            if flat.live > 0:
-                flat.wait_gather()  # its unshard frees it again
-        # the root unit's frozen flats are read anywhere in the backward: kept to its end
-        self._holds.hold(unit.frozen, pin=unit.is_root)
-        # A graph kept by retain_graph=True is read again after its unshard reduced (live
-        # 0): gathered for this backward only. With create_graph=True the recorded graph
-        # reads the trainable flats later too, and no hook gathers them then: pinned.
-        self._holds.hold(trainable if torch.is_grad_enabled()
-                         else [flat for flat in trainable if flat.live <= 0])
-        prev = self._next(unit, -1)
-        if self._config.prefetch and prev is not None and prev.live:
-            prev.start_gather()
-            self._holds.hold(prev.frozen, wait=False)
-
-    def _post_backward(self, unit: Unit) -> None:
-        """A member's input gradients are complete."""
-        unit.pending = max(unit.pending - 1, 0)
-        self._release_frozen(unit)
-
-    def _release_frozen(self, unit: Unit) -> None:
-        """Free the unit's frozen flats once no backward through it is outstanding (in a
-        plain backward: one with create_graph=True pinned what it read)."""
-        if unit.backward_done and not torch.is_grad_enabled():
-            for flat in unit.frozen:
-                flat.release()  # a pinned one stays
-
-    def _end_forward(self) -> None:
-        """Close what is still open (members skipped, or an earlier forward that raised)."""
-        for unit in list(self._open):
-            self._close(unit)
-        for unit in self._prefetched:
-            unit.free()
-        self._prefetched.clear()
-        for unit in self.units:
-            if unit.ran:  # a forward that ran none of a unit's members teaches nothing
-                unit.expected, unit.ran = unit.ran, set()
-        if self._seen:  # backward runs this order in reverse; the next forward likely repeats it
-            self._order, self._seen = self._seen, []
 
     def pre_forward(self) -> None:
         if not explicit_parameters_active():
-            self._end_forward()
-            self.units[-1].bind()  # the root unit stays gathered through the step
+            self._schedule.end_forward()
+            self.units[-1].gather_for_step()  # the root unit stays gathered through the step
 
     def _check_shards_in_place(self) -> None:
         """``torch.func.functional_call(model, dict(model.named_parameters()), ...)`` swaps the
@@ -276,22 +166,17 @@ class ShardedModule(DistributedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_shards_in_place()
         out = super().forward(*args, **kwargs)
-        self._end_forward()
+        self._schedule.end_forward()
         if torch.is_grad_enabled():
             root = self.units[-1]
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g, unit=root: self._before_backward(unit))
+                    t.register_hook(lambda g: root.pre_backward())
         return out
 
     def after_step(self) -> None:
         """The shards changed: drop every gathered copy and the graphs' claims on them."""
-        self._holds.reset()
-        for unit in self.units:
-            unit.pending = 0
-        for flat in self.flats:
-            flat.live, flat.owned_copy = 0, None
-            flat.release()
+        self._schedule.after_step()
 
     # ----- meta-learning and checkpoints ----------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -338,7 +223,8 @@ class ShardedModule(DistributedModule):
         if unknown:
             raise ValueError(f"functional_forward got unknown parameter names {unknown}; "
                              "use the names of model.full_parameters()")
-        saved, frozen, fresh = [], [], []
+        placed: list[tuple[Place, torch.Tensor]] = []
+        frozen, fresh = [], []
         for flat in self.flats:
             values = [params.get(s.fqn) for s in flat.slots]
             if any(v is None for v in values):  # not given: this unit's own parameters
@@ -351,22 +237,17 @@ class ShardedModule(DistributedModule):
                     full = flat.unsharded(True)
                 gathered = flat.views(full)
                 values = [g if v is None else v for v, g in zip(values, gathered, strict=True)]
-            for slot, value in zip(flat.slots, values, strict=True):
-                for module, attr in slot.uses:
-                    saved.append((module, attr, module.__dict__.get(attr)))
-                    module.__dict__[attr] = value
-        try:
-            with explicit_parameters():
-                out = self.run(self.module, args, kwargs)
-        finally:
-            for module, attr, old in reversed(saved):
-                module.__dict__[attr] = old
+            placed.extend((place_of(module, attr), value)  # every value is given by now
+                          for slot, value in zip(flat.slots, values, strict=True)
+                          if value is not None for module, attr in slot.uses)
+        with Rebinding(placed):
+            out = self.run(self.module, args, kwargs)
         # Frozen parameters read here have no unit hooks: gathered again (if need be) when
         # the backward reaches the outputs and kept to its end; freed now if none will come.
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                    and t.requires_grad] if torch.is_grad_enabled() else []
         for t in outputs:
-            t.register_hook(lambda g: self._holds.hold(frozen, pin=True))
+            t.register_hook(lambda g: self._schedule.holds.hold(frozen, pin=True))
         if not outputs:
             for flat in fresh:
                 flat.release()
@@ -374,6 +255,10 @@ class ShardedModule(DistributedModule):
 
     # state_dict/load_state_dict: DistributedModule's, on the user's module, whose modules
     # get their parameters back from the shards through strategies/state_dict.py's hooks.
+
+    def placements(self) -> ModulePlacement:
+        """Each parameter's slice of its flat's shard; buffers whole (strategies/placement.py)."""
+        return flat_module(self.module, self.flats, self.after_step)
 
     def split_gradients(self) -> dict[torch.Tensor, Split]:
         """Each shard's gradient is this rank's slice of its flat's gradient."""
@@ -460,19 +345,19 @@ class Zero3Strategy(Strategy):
             raise ValueError("setup_optimizer needs the module returned by this strategy")
         move_optimizer_state(optimizer)
         shard_optimizer(optimizer, FlatLayout(module.flats))
-        optimizer.register_step_post_hook(lambda *_: module.after_step())
+        step_chain.building(optimizer).add("shards_changed", module.after_step)
         return optimizer
 
     @contextmanager
     def no_sync(self, module: DistributedModule) -> Iterator[None]:
         flats = module.flats if isinstance(module, ShardedModule) else []
         for flat in flats:
-            flat.sync_grads = False
+            flat.set_sync_grads(False)
         try:
             yield
         finally:
             for flat in flats:
-                flat.sync_grads = True
+                flat.set_sync_grads(True)
 
     def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
                         norm_type: float) -> torch.Tensor:

@@ -10,36 +10,17 @@ runs the module with any such dictionary (e.g. weights adapted in an inner loop)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from metadist.precision import Precision
+from metadist.strategies.bind import bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
 from metadist.strategies.grad_norm import Split
-
-_EXPLICIT: ContextVar[bool] = ContextVar("metadist_explicit_parameters", default=False)
-
-
-@contextmanager
-def explicit_parameters(active: bool = True) -> Iterator[None]:
-    """Mark a forward that runs on explicitly bound parameters (``functional_forward``):
-    strategies must not rebind their own inside it. Activation checkpointing re-enters this
-    state when it recomputes such a forward during backward."""
-    token = _EXPLICIT.set(active)
-    try:
-        yield
-    finally:
-        _EXPLICIT.reset(token)
-
-
-def explicit_parameters_active() -> bool:
-    return _EXPLICIT.get()
+from metadist.strategies.placement import ModulePlacement, replicated_module
 
 
 class DistributedModule(nn.Module):
@@ -170,17 +151,22 @@ class DistributedModule(nn.Module):
     def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
                            **kwargs: Any) -> Any:
         """Run the module with ``params`` (names as in :meth:`full_parameters`) in place of
-        its own; parameters and buffers not named keep their current values."""
+        its own; parameters and buffers not named keep their current values. A name the
+        module does not have raises (rather than being ignored)."""
         self.pre_forward()
-        with explicit_parameters():
-            return self.run(lambda *a, **k: functional_call(self.module, dict(params), a, k),
-                            args, kwargs)
+        with bind_parameters(self.module, params):
+            return self.run(self.module, args, kwargs)
 
     def split_gradients(self) -> dict[torch.Tensor, Split]:
         """Parameters whose ``.grad`` on this rank is only a part of the gradient one process
         computes, and how the parts add up (zero2, zero3, hsdp); torch's gradient utilities
         read it (strategies/grad_norm.py). Default: none, every gradient is whole."""
         return {}
+
+    def placements(self) -> ModulePlacement:
+        """Where each tensor of the user's module's state dict lives on this rank
+        (strategies/placement.py). Default: every rank holds it whole."""
+        return replicated_module(self, self.module, keep_vars=True)
 
     # ----- state dicts: the user's module's, also when this module sits in another ------
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:

@@ -6,7 +6,8 @@ step each parameter on its owner rank and refresh the others' copies afterwards,
 ``precision="16-mixed"`` unscales gradients and skips overflowing steps. An optimizer built
 after setup and never passed to ``strategy.setup_optimizer`` would step every rank on its
 own there, so the ranks would drift apart. A global optimizer step pre-hook refuses such a
-step with an error that says how to pass it through the strategy.
+step with an error that says how to pass it through the strategy; an optimizer that went
+through setup carries its step chain (strategies/step_chain.py), which is how it is known.
 
 ``strategy.backward(loss)`` on more than one rank refuses a loss whose gradient would reach
 no set-up module (the model never went through setup), or ``nn.Parameter`` leaves that belong
@@ -25,6 +26,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from metadist.strategies import step_chain
+
 
 @dataclass(frozen=True)
 class _Claim:
@@ -35,7 +38,6 @@ class _Claim:
 
 
 _CLAIMS: dict[int, _Claim] = {}
-_ADOPTED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 _CLEAN: weakref.WeakKeyDictionary[Optimizer, tuple[int, ...]] = weakref.WeakKeyDictionary()
 _hook_installed = False
 
@@ -62,13 +64,8 @@ def claim_of(t: torch.Tensor) -> _Claim | None:
     return found if found is not None and found.ref() is t else None
 
 
-def adopt(optimizer: Optimizer) -> None:
-    """``optimizer`` went through ``strategy.setup_optimizer``: it may step claimed tensors."""
-    _ADOPTED.add(optimizer)
-
-
 def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
-    if optimizer in _ADOPTED:
+    if step_chain.chain_of(optimizer) is not None:  # set up by a strategy
         return
     shape = tuple(len(g["params"]) for g in optimizer.param_groups)
     if _CLEAN.get(optimizer) == shape:  # checked, and no group changed since

@@ -16,16 +16,21 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from metadist.comm import ops
+from metadist.strategies.placement import (
+    OptimizerPlacement,
+    cut_state,
+    gather_state,
+    numbered_groups,
+)
 
 _TAG = "metadist_shard"
-StateEntry = dict[str, Any]
+ParamState = dict[str, Any]
 
 
 class OptimizerLayout(ABC):
@@ -40,15 +45,20 @@ class OptimizerLayout(ABC):
     def local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors this rank steps for a group whose original parameters are ``params``."""
 
-    @abstractmethod
     def full_state(self, optimizer: Optimizer, original: list[torch.Tensor],
-                   to: int | None) -> dict[int, StateEntry] | None:
+                   to: int | None) -> dict[int, ParamState] | None:
         """Collective: state per original parameter index, on every rank or only on ``to``."""
+        return gather_state(self.placements([original]), optimizer, to)
 
     @abstractmethod
-    def local_state(self, full: dict[int, StateEntry],
-                    original: list[torch.Tensor]) -> dict[torch.Tensor, StateEntry]:
+    def placements(self, original_groups: list[list[torch.Tensor]]) -> OptimizerPlacement:
+        """Where the state of each original parameter lives on this rank
+        (strategies/placement.py); ``original_groups``: the user's param groups."""
+
+    def local_state(self, full: dict[int, ParamState],
+                    original: list[torch.Tensor]) -> dict[torch.Tensor, ParamState]:
         """This rank's state for its tensors, cut from a full state by original index."""
+        return cut_state(self.placements([original]).stepped, full)
 
 
 @dataclass
@@ -62,9 +72,10 @@ class Sharding:
     def original(self) -> list[torch.Tensor]:
         return [p for group in self.original_groups for p in group]
 
-
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+    def placements(self) -> OptimizerPlacement:
+        """The layout's description, with the tag its local state dicts carry."""
+        return replace(self.layout.placements(self.original_groups),
+                       tag={_TAG: self.layout.signature})
 
 
 # Optimizers whose update of one element reads other elements. Matched by class name along
@@ -169,13 +180,9 @@ def _to_local(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any
     full = {position[pid]: entry for pid, entry in state_dict["state"].items()}
     local = sharding.layout.local_state(full, original)
     index = {id(t): i for i, t in enumerate(t for g in optimizer.param_groups for t in g["params"])}
-    new_groups, start = [], 0
-    for group, mine in zip(groups, optimizer.param_groups, strict=True):
-        count = len(mine["params"])
-        new_groups.append({**_hyper(group), "params": list(range(start, start + count))})
-        start += count
     return {"state": {index[id(t)]: entry for t, entry in local.items()},
-            "param_groups": new_groups}
+            "param_groups": numbered_groups(groups, [len(g["params"])
+                                                    for g in optimizer.param_groups])}
 
 
 def full_state_dict(optimizer: Optimizer, to: int | None = None) -> dict[str, Any] | None:
@@ -191,22 +198,5 @@ def full_state_dict(optimizer: Optimizer, to: int | None = None) -> dict[str, An
     state = sharding.layout.full_state(optimizer, original, to)
     if state is None:
         return None
-    groups, start = [], 0
-    for group, params in zip(optimizer.param_groups, sharding.original_groups, strict=True):
-        groups.append({**_hyper(group), "params": list(range(start, start + len(params)))})
-        start += len(params)
+    groups = numbered_groups(optimizer.param_groups, [len(g) for g in sharding.original_groups])
     return {"state": dict(sorted(state.items())), "param_groups": groups}
-
-
-def gather_entries(local: dict[int, StateEntry], to: int | None) -> dict[int, StateEntry] | None:
-    """Merge per-rank ``{original index: state}`` pieces (moved to CPU) on every rank or one."""
-    # Copies, never aliases of the live state: the result is a checkpoint.
-    cpu = {i: {k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-               for k, v in e.items()} for i, e in local.items()}
-    pieces = ops.all_gather_object(cpu) if to is None else ops.gather_object(cpu, to)
-    if pieces is None:
-        return None
-    merged: dict[int, StateEntry] = {}
-    for piece in pieces:
-        merged.update(piece)
-    return merged

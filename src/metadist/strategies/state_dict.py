@@ -26,8 +26,9 @@ from torch import nn
 
 from metadist.comm import ops
 from metadist.strategies.flat import FlatParam
+from metadist.strategies.placement import flat_part, paste
 
-Entry = tuple[str, FlatParam, int]  # (attribute, flat, slot index)
+FlatRef = tuple[str, FlatParam, int]  # (attribute, flat, slot index)
 
 
 def parameter_order(root: nn.Module) -> dict[nn.Module, list[str]]:
@@ -41,7 +42,7 @@ class ShardedStateDict:
 
     def __init__(self, root: nn.Module, flats: Sequence[FlatParam],
                  order: Mapping[nn.Module, Sequence[str]], on_load: Callable[[], None]) -> None:
-        self.own: dict[nn.Module, list[Entry]] = {}
+        self.own: dict[nn.Module, list[FlatRef]] = {}
         for flat in flats:
             for i, slot in enumerate(flat.slots):
                 for module, attr in slot.uses:
@@ -200,9 +201,5 @@ class ShardedStateDict:
 def _copy_slice(flat: FlatParam, i: int, value: torch.Tensor) -> None:
     """Copy the part of parameter ``i`` of ``flat`` that this rank's shard holds."""
     slot = flat.slots[i]
-    lo = flat.rank * flat.shard_size
-    a, b = max(lo, slot.offset), min(lo + flat.shard_size, slot.offset + slot.numel)
-    if a < b:
-        with torch.no_grad():
-            piece = value.detach().reshape(-1)[a - slot.offset:b - slot.offset]
-            flat.shard[a - lo:b - lo].copy_(piece)
+    for part in flat_part(flat.shard, flat.rank * flat.shard_size, slot.offset, slot.numel):
+        paste(part, value.detach().reshape(-1)[part.start:part.stop])

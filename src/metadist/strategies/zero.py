@@ -16,6 +16,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 from typing import Any, ClassVar
 
@@ -26,17 +27,14 @@ from torch.optim import Optimizer
 from metadist.comm import ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import Group
+from metadist.strategies import step_chain
 from metadist.strategies.base import register
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.ddp import DDPConfig, DDPStrategy, ReplicatedModule, prepare_replicated
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.module import DistributedModule
-from metadist.strategies.sharded_optim import (
-    OptimizerLayout,
-    StateEntry,
-    gather_entries,
-    shard_optimizer,
-)
+from metadist.strategies.placement import OptimizerPlacement, Stepped, whole_tensor
+from metadist.strategies.sharded_optim import OptimizerLayout, shard_optimizer
 
 
 def balanced_partition(sizes: list[int], parts: int) -> list[int]:
@@ -96,16 +94,12 @@ class OwnerLayout(OptimizerLayout):
     def local_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return [p for p in params if self.owner.get(p, self.rank) == self.rank]
 
-    def full_state(self, optimizer: Optimizer, original: list[torch.Tensor],
-                   to: int | None) -> dict[int, StateEntry] | None:
-        local = {i: dict(optimizer.state[p]) for i, p in enumerate(original)
-                 if self.owner.get(p, self.rank) == self.rank and optimizer.state.get(p)}
-        return gather_entries(local, to)
-
-    def local_state(self, full: dict[int, StateEntry],
-                    original: list[torch.Tensor]) -> dict[torch.Tensor, StateEntry]:
-        return {p: dict(full[i]) for i, p in enumerate(original)
-                if self.owner.get(p, self.rank) == self.rank and i in full}
+    def placements(self, original_groups: list[list[torch.Tensor]]) -> OptimizerPlacement:
+        original = [p for g in original_groups for p in g]
+        stepped = [Stepped(p, (whole_tensor(str(i), p, "holder"),), True)
+                   for i, p in enumerate(original) if self.owner.get(p, self.rank) == self.rank]
+        return OptimizerPlacement(tuple(tuple(p.shape) for p in original),
+                                  tuple(len(g) for g in original_groups), tuple(stepped))
 
 
 @dataclass(frozen=True)
@@ -297,8 +291,9 @@ class _ZeroStrategy(DDPStrategy):
         shard_optimizer(optimizer, OwnerLayout(module.owners, w.rank, w.world_size))
         gather = module.gather
         overlap = self.config.overlap_param_gather
-        optimizer.register_step_pre_hook(lambda *_: gather.wait())
-        optimizer.register_step_post_hook(lambda *_: gather.gather(overlap))
+        chain = step_chain.building(optimizer)
+        chain.add("wait_params", gather.wait)
+        chain.add("refresh_params", partial(gather.gather, overlap))
         return optimizer
 
     def _clip_grad_norm(self, module: DistributedModule, max_norm: float,

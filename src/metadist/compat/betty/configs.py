@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from metadist.compat.betty.hypergradient import BETTY_TYPES
 from metadist.precision import canonical as canonical_precision
 from metadist.strategies.base import available
 from metadist.strategies.base import canonical as canonical_strategy
 
-TYPES = ("darts", "sama", "neumann", "cg", "reinforce")
+TYPES = tuple(BETTY_TYPES)  # Betty's names of the best-response methods
 
 #: Fields that change nothing here, and why.
 NO_EFFECT = {
@@ -72,9 +73,9 @@ class Config:
     # ----- what metadist's own engine reads ---------------------------------------------------
     @property
     def method(self) -> str:
-        """The native method family of ``type`` (Betty's darts is gF - M.v: native sama
-        with the identity preconditioner, not native DARTS' virtual step)."""
-        return "sama" if self.type == "darts" else self.type
+        """The registered metadist method computing ``type`` (Betty's darts is gF - M.v:
+        native sama with the identity preconditioner, not native DARTS' virtual step)."""
+        return BETTY_TYPES[self.type].method
 
 
 @dataclass

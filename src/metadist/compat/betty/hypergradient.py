@@ -2,8 +2,8 @@
 ``first_order`` is True, one term per path [upper, a1, ..., upper]: dF/d(a1's parameters),
 carried down the path by each problem's best-response product (its ``Config.type``).
 
-Each product is metadist's response product (:func:`~metadist.meta.response.response`) of
-the method that computes Betty's; every data-dependent piece is synced over ranks, so the
+Each product is the response product of the registered metadist method (meta/methods.py)
+that computes Betty's (:data:`BETTY_TYPES`); every data-dependent piece is synced over ranks, so the
 result is the one-process value of the global batch at any world size. Betty's types:
 
 * ``darts``: -M.v by a central finite difference with eps = darts_alpha / |v| (metadist's
@@ -21,6 +21,7 @@ result is the one-process value of the global batch at any world size. Betty's t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,32 +29,49 @@ from torch import Tensor
 
 from metadist.meta.bilevel import _hparams, _inner_fn, _lam, sama_scale, weighted
 from metadist.meta.directional import ReinforceConfig, SamaConfig
-from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig, Solve, Vec
+from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig
+from metadist.meta.methods import Solve, Vec, hypergradient_method
 from metadist.meta.problem import loss_of
-from metadist.meta.response import response
 
 if TYPE_CHECKING:
+    from metadist.compat.betty.configs import Config as BettyConfig
     from metadist.compat.betty.engine import Engine
     from metadist.compat.betty.problems import Problem
 
 
+@dataclass(frozen=True)
+class BettyType:
+    """How one of Betty's ``Config.type`` values is computed: by the registered metadist
+    method ``method`` (meta/methods.py) with the config ``config`` builds from the problem,
+    and ``solve`` (from the problem's Config) replacing that method's inverse-Hessian solve."""
+
+    method: str
+    config: Callable[[Problem], HypergradConfig]
+    solve: Callable[[BettyConfig], Solve] | None = None
+
+
+def _betty_sama(curr: Problem) -> SamaConfig:
+    return SamaConfig(r=curr.config.sama_adam_alpha, scale=sama_scale(curr, sgd_scale=1.0))
+
+
+#: Betty's types, in the order its errors list them.
+BETTY_TYPES: dict[str, BettyType] = {
+    "darts": BettyType("sama", lambda curr: SamaConfig(r=curr.config.darts_alpha)),
+    "sama": BettyType("sama", _betty_sama),
+    "neumann": BettyType("neumann", lambda curr: NeumannConfig(
+        iterations=curr.config.neumann_iterations, alpha=curr.config.neumann_alpha)),
+    # run by _betty_cg below; the config only names the method
+    "cg": BettyType("cg", lambda curr: CGConfig(iterations=curr.config.cg_iterations, tol=0.0),
+                    solve=lambda cfg: _betty_cg(cfg.cg_iterations, cfg.cg_alpha)),
+    "reinforce": BettyType("reinforce",
+                           lambda curr: ReinforceConfig(xi=1.0, r=curr.config.darts_alpha)),
+}
+
+
 def link_method(curr: Problem) -> tuple[str, HypergradConfig]:
     """metadist's method and config computing Betty's product of ``curr``'s type."""
-    cfg = curr.config
-    match cfg.type:
-        case "darts":
-            return "sama", SamaConfig(r=cfg.darts_alpha)
-        case "sama":
-            return "sama", SamaConfig(r=cfg.sama_adam_alpha,
-                                      scale=sama_scale(curr, sgd_scale=1.0))
-        case "neumann":
-            return "neumann", NeumannConfig(iterations=cfg.neumann_iterations,
-                                            alpha=cfg.neumann_alpha)
-        case "cg":  # run by _betty_cg below; the config only names the method
-            return "cg", CGConfig(iterations=cfg.cg_iterations, tol=0.0)
-        case "reinforce":
-            return "reinforce", ReinforceConfig(xi=1.0, r=cfg.darts_alpha)
-    raise AssertionError(cfg.type)  # Config validated it
+    kind = BETTY_TYPES[curr.config.type]  # Config validated the type
+    return kind.method, kind.config(curr)
 
 
 def upper_gradient(engine: Engine, upper: Problem) -> tuple[dict[str, Tensor], Any]:
@@ -95,12 +113,12 @@ def upper_gradient(engine: Engine, upper: Problem) -> tuple[dict[str, Tensor], A
 def _link(engine: Engine, upper: Problem, names: list[str], lam: tuple[Tensor, ...],
           curr: Problem, nxt: Problem, v: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
-    method, config = link_method(curr)
+    kind = BETTY_TYPES[curr.config.type]
     params = curr.params(clone=not curr.replicated)
-    solve = (_betty_cg(curr.config.cg_iterations, curr.config.cg_alpha) if method == "cg"
-             else None)
-    return response(method, v, _inner_fn(engine, nxt, curr, nxt_names), params, nxt_lam,
-                    config, grad_sync=engine._sync, solve=solve)
+    solve = kind.solve(curr.config) if kind.solve is not None else None
+    return hypergradient_method(kind.method).response(
+        v, _inner_fn(engine, nxt, curr, nxt_names), params, nxt_lam, kind.config(curr),
+        grad_sync=engine._sync, solve=solve)
 
 
 def _betty_cg(iterations: int, alpha: float) -> Solve:

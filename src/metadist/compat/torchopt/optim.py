@@ -22,6 +22,7 @@ from metadist.compat.torchopt import alias
 from metadist.compat.torchopt.alias import GradientTransformation
 from metadist.compat.torchopt.update import apply_updates
 from metadist.meta.modules import unwrap
+from metadist.strategies.bind import write
 
 _UNSET = object()  # a group's state before its first step (TorchOpt's lazy init)
 
@@ -60,9 +61,8 @@ class MetaOptimizer:
             grads = torch.autograd.grad(loss, flat, create_graph=True, allow_unused=True)
             updates, self.state_groups[i] = self.impl.update(grads, state, params=flat,
                                                              inplace=False)
-            for (container, key), new in zip(keys, apply_updates(flat, updates, inplace=False),
-                                             strict=True):
-                container[key] = new
+            # each (container, key) is a place of strategies/bind.py: written and kept
+            write(zip(keys, apply_updates(flat, updates, inplace=False), strict=True))
 
     def state_dict(self) -> tuple[Any, ...]:
         """References to the states, one per parameter group."""

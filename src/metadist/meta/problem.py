@@ -249,20 +249,29 @@ class Problem(ABC):
         the tensors are the caller's to give away (fresh results), so none is copied."""
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         module = self.wrapped
-        # Each gradient lands in the parts of its parameter this rank's optimizer steps (a
-        # whole parameter, or its slice of a zero3 flat shard; strategies/placement.py).
+        if self._placement.in_module:
+            # The user's module holds every parameter whole: each gradient lands in the
+            # tensor it holds now (also one replaced since setup, e.g. by
+            # load_state_dict(assign=True); 0-dim ones too).
+            params = module.full_parameters()
+            for name, g in grads.items():
+                p = params.get(name)
+                if p is None:
+                    raise KeyError(f"problem {self.name!r} has no trainable parameter {name!r}")
+                self._check_leaf(p)
+                if id(p) in stepped:  # zero1/zero2: only this rank's own parameters
+                    _add_grad(p, g, owned)
+            return
+        # Each gradient lands in the parts of its parameter this rank's optimizer steps (its
+        # slice of a zero3 flat shard; strategies/placement.py).
         landing: dict[int, tuple[Tensor, list[tuple[Part, Tensor]]]] = {}
         for name, g in grads.items():
             placement = self._placement.find(name)
             if placement is None:
                 raise KeyError(f"problem {self.name!r} has no trainable parameter {name!r}")
             for part in placement.parts:
-                if not part.local.is_leaf:
-                    raise TypeError(f"problem {self.name!r}: strategy module "
-                                    f"{type(module).__name__} keeps its parameters outside the "
-                                    "module; the engine supports single, ddp, zero1, zero2, "
-                                    "zero3 and hsdp")
-                if id(part.local) in stepped:  # zero1/zero2: only this rank's own parameters
+                self._check_leaf(part.local)
+                if id(part.local) in stepped:
                     landing.setdefault(id(part.local), (part.local, []))[1].append((part, g))
         for local, pieces in landing.values():
             part, g = pieces[0]
@@ -274,6 +283,13 @@ class Problem(ABC):
             for part, g in pieces:
                 paste(part.on(buf), g.detach().reshape(-1)[part.start:part.stop])
             _add_grad(local, buf.view(local.shape), owned=True)
+
+    def _check_leaf(self, t: Tensor) -> None:
+        if not t.is_leaf:
+            raise TypeError(f"problem {self.name!r}: strategy module "
+                            f"{type(self.wrapped).__name__} keeps its parameters outside the "
+                            "module; the engine supports single, ddp, zero1, zero2, zero3 and "
+                            "hsdp")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"

@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench setup clean
 
-$(STAMP): pyproject.toml constraints/dev.txt scripts/setup.sh
+$(STAMP): pyproject.toml constraints/dev.txt scripts/setup.sh constraints/peers.txt scripts/setup_peers.sh
 	./scripts/setup.sh
 
 setup: $(STAMP)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up on a fresh machine: Debian packages the tests need, then a virtual
-# environment with metadist and its pinned development dependencies. Idempotent.
+# environment with metadist and its pinned development dependencies, and the peer libraries
+# the tests compare with (scripts/setup_peers.sh). Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,4 +19,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The constraints file pins torch to the CPU wheel these machines hold (no CUDA download).
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/dev.txt -e ".[dev,demo]"
+# The peers the suite compares with, beside the package (.peers/).
+./scripts/setup_peers.sh
 touch .venv/.installed

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The peers the test suite compares metadist with (Betty, TorchOpt, higher, learn2learn), at
+# the versions constraints/peers.txt pins, into .peers/ beside the package: tests put it on
+# the path of the processes that run a peer, nothing else sees it. Idempotent: a stamp
+# named after the pins' checksum says the set is complete.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+py=.venv/bin/python
+pins=constraints/peers.txt
+stamp=".peers/.installed-$(sha256sum "$pins" | cut -c1-16)"
+[ -f "$stamp" ] && exit 0
+
+pin() { grep -E "^$1==" "$pins" | head -n 1; }
+pip_target() { "$py" -m pip install -q --disable-pip-version-check --no-deps --target "$@"; }
+
+rm -rf .peers .peers-build
+mkdir -p .peers-build
+echo "installing the peer libraries into .peers/ ($pins)"
+# Betty 0.2.1 declares python<3.11 (it runs on 3.11); everything here is pure Python or a
+# wheel for this interpreter, and --no-deps keeps torch and numpy the venv's own.
+pip_target .peers --ignore-requires-python "$(pin betty-ml)"
+pip_target .peers "$(pin torchopt)" "$(pin optree)" "$(pin graphviz)" "$(pin higher)" \
+    "$(pin requests)" "$(pin urllib3)" "$(pin idna)" "$(pin charset-normalizer)" \
+    "$(pin certifi)" "$(pin gym)" "$(pin gym-notices)" "$(pin cloudpickle)"
+
+# learn2learn: from its sdist, with the Cython extensions regenerated for this Python.
+pip_target .peers-build/cython "$(pin cython)"
+"$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    --dest .peers-build "$(pin learn2learn)"
+tar -xzf .peers-build/learn2learn-*.tar.gz -C .peers-build
+src=$(ls -d .peers-build/learn2learn-*/)
+rm -rf "$src/.eggs"
+PYTHONPATH=.peers-build/cython "$py" -m cython -3 "$src"learn2learn/data/*.pyx
+"$py" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+    --target .peers "$src"
+rm -rf .peers/tests .peers/bin .peers-build  # its sdist also installs its own tests package
+touch "$stamp"

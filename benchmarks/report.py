@@ -52,8 +52,10 @@ def _by_workload(results: dict[str, Any]) -> dict[str, list[tuple[str, dict[str,
 # What each metadist strategy is measured against in the headline (results.json and the
 # benchmarks' own tables keep every pair): the implementation it replaces, and the bound.
 _ZERO12 = ("torch ZeRO (DDP + ZeroRedundancyOptimizer)", "FairScale OSS + ShardedDDP")
-REFERENCES = {"metadist ddp": ("torch DDP",), "metadist zero1": _ZERO12,
-              "metadist zero2": _ZERO12, "metadist zero3": ("torch FSDP2 fully_shard",)}
+REFERENCES = {"metadist ddp": ("torch DDP",),
+              "metadist zero1": (*_ZERO12, "metadist zero1 overlap_param_gather"),
+              "metadist zero2": (*_ZERO12, "metadist zero2 overlap_param_gather"),
+              "metadist zero3": ("torch FSDP2 fully_shard",)}
 BOUND = "no-comm bound"
 
 

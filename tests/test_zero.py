@@ -3,6 +3,7 @@ memory at the ZeRO formulas, and the zero3 machinery (units, prefetch, dtypes)."
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -264,6 +265,49 @@ def test_blocking_refresh_matches_single_process(strategy: str) -> None:
     options = {**SHARDED[strategy], "overlap_param_gather": False}
     for got in run_on_ranks(train_on_rank, 3, args=(strategy, "adam", 1, True, options)):
         assert_parity(got, want, f"{strategy} overlap_param_gather=False")
+
+
+# Every way a program reaches a parameter without passing through the wrapper's waits.
+_DIRECT_READS: dict[str, Any] = {
+    "module._parameters": lambda inner, kept: [
+        m._parameters[k].clone() for m in inner.modules() for k in m._parameters],
+    "named_parameters of the user's module": lambda inner, kept: [
+        p.clone() for _, p in inner.named_parameters()],
+    "p.data of a parameter kept from before": lambda inner, kept: [p.data.clone() for p in kept],
+    "tensor detached before the step": lambda inner, kept: [p.detach().clone() for p in kept],
+    "deep copy": lambda inner, kept: [p.clone() for p in copy.deepcopy(inner).parameters()],
+    "state_dict": lambda inner, kept: [t.clone() for t in inner.state_dict().values()],
+}
+
+
+def _reads_right_after_step(strategy: str) -> list[str]:
+    """Each path read first thing after its own optimizer step (4 MiB of parameters: an
+    asynchronous refresh would still be on its way), against the values once every refresh
+    has landed; returns the paths that saw something else (learn2learn's clone_module reads
+    ``module._parameters`` this way)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 512))
+    s = metadist.strategy(strategy)
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    kept = list(net.parameters())
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(s.world.rank))
+    stale = []
+    for path, read in _DIRECT_READS.items():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen = read(net, kept)
+        model.wait_params()
+        settled = [p.detach().clone() for p in net.parameters()]
+        if any(not torch.equal(a, b) for a, b in zip(seen, settled, strict=True)):
+            stale.append(path)
+    return stale
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_no_read_after_step_sees_a_pre_step_value(strategy: str) -> None:
+    for stale in run_on_ranks(_reads_right_after_step, 2, args=(strategy,)):
+        assert stale == [], f"{strategy}: read pre-step values through {stale}"
 
 
 def _bf16_training() -> tuple[str, float]:

@@ -117,10 +117,11 @@ class ParamGather:
     step every rank's copy is refreshed in place with no copies. Each owner's region is
     exactly its parameters (per dtype and device): a rank holds P, whatever the partition.
 
-    Synchronous: one broadcast per owner region, finished inside ``step()``. Overlapped: one
-    broadcast per piece (a few MiB of one owner's parameters, in forward order) launched
-    after ``step()``; each module waits for its own pieces just before its forward, so the
-    transfer of later layers overlaps the computation of earlier ones.
+    Synchronous (the default): one broadcast per owner region, finished inside ``step()``,
+    so the refresh is complete before anything can read a parameter. Overlapped (opt-in):
+    one broadcast per piece (a few MiB of one owner's parameters, in forward order)
+    launched after ``step()``; each module waits for its own pieces just before its
+    forward, so the transfer of later layers overlaps the computation of earlier ones.
     """
 
     def __init__(self, params: list[nn.Parameter], owners: list[int], world_size: int,
@@ -197,11 +198,12 @@ class ZeroModule(ReplicatedModule):
     """A replicated module whose parameters are refreshed by owners after each step."""
 
     def __init__(self, module: nn.Module, reducer: Reducer | None, gather: ParamGather | None,
-                 broadcast_buffers: bool, owners: dict[torch.Tensor, int] | None = None) -> None:
+                 broadcast_buffers: bool, owners: dict[torch.Tensor, int] | None = None,
+                 overlap: bool = False) -> None:
         super().__init__(module, reducer, broadcast_buffers)
         self.gather = gather
         self.owners = owners or {}
-        if gather is not None:
+        if gather is not None and overlap:
             # With overlapped refreshes, each module waits for its own parameters just before
             # its forward, and any state_dict of the user's module waits for all of them.
             for m in module.modules():
@@ -238,11 +240,14 @@ class ZeroModule(ReplicatedModule):
 
 @dataclass(frozen=True)
 class ZeroConfig(DDPConfig):
-    #: Refresh updated parameters asynchronously after ``step()``: each module waits for its
-    #: own just before its forward (reads through the wrapped module, its state_dict and the
-    #: next step wait for all), so the transfer overlaps the next forward. Off: one blocking
-    #: all-gather inside ``step()``.
-    overlap_param_gather: bool = True
+    #: Off (the default): every rank's parameters are refreshed before ``step()`` returns,
+    #: so no read after the step, by whatever path (``module._parameters``, ``.data``, a
+    #: tensor kept from before, a copy), can see a pre-step value. On: the refresh runs
+    #: asynchronously after ``step()`` and each module waits for its own parameters just
+    #: before its forward (reads through the wrapped model wait too), overlapping the next
+    #: forward; a read that bypasses the wrapper before then sees pre-step values (call
+    #: ``model.wait_params()`` first).
+    overlap_param_gather: bool = False
 
 
 class _ZeroStrategy(DDPStrategy):
@@ -270,7 +275,8 @@ class _ZeroStrategy(DDPStrategy):
                               reduce_dtype=self.reduce_dtype,
                           owners=owners if self.shard_gradients else None)
         return ZeroModule(model, reducer, gather, self.config.broadcast_buffers,
-                          dict(zip(trainable, owners, strict=True)))
+                          dict(zip(trainable, owners, strict=True)),
+                          overlap=self.config.overlap_param_gather)
 
     def _optimizer_needed(self) -> str | None:
         if self.world.world_size == 1:

@@ -48,7 +48,8 @@ def one_process() -> dict[str, Any]:
 
 def test_defaults_are_bettys() -> None:
     assert dataclasses.asdict(Config()) == BETTY_CONFIG
-    assert dataclasses.asdict(EngineConfig()) == BETTY_ENGINE
+    # Betty's fields, and metadist's strategy options (empty: nothing changes)
+    assert dataclasses.asdict(EngineConfig()) == {**BETTY_ENGINE, "strategy_options": {}}
 
 
 @pytest.mark.parametrize(("strategy", "world"), [("distributed", 2), ("zero", 2), ("fsdp", 3)])
@@ -315,3 +316,40 @@ def test_early_stopping_fields_stop_every_rank_at_the_same_iteration() -> None:
     then 3 without improvement -> stop after the 5th validation (iteration 10). Betty 0.2.1
     raises AttributeError there (its EarlyStopping reads self.patience, never set)."""
     assert run_on_ranks(_early_stopping, 2) == [(10, 10), (10, 10)]
+
+
+def _batchnorm_warnings(options: dict[str, Any]) -> list[str]:
+    """A Betty program with BatchNorm on 2 ranks: what it warns (rank 0 says it once)."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import metadist.compat.betty.engine as compat_engine
+    from metadist.compat.betty.engine import Engine
+    from metadist.compat.betty.problems import ImplicitProblem
+
+    compat_engine._warned_batchnorm = False  # a pooled rank may have said it for another test
+
+    class Net(ImplicitProblem):
+        def training_step(self, batch: Any) -> torch.Tensor:
+            x, y = batch
+            return ((self(x) - y) ** 2).mean()
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    data = DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # said once per process, however many engines
+            problem = Net("net", Config(), module, torch.optim.SGD(module.parameters(), lr=0.1),
+                          train_data_loader=data)
+            Engine([problem], EngineConfig(train_iters=1, strategy="distributed",
+                                           strategy_options=options)).run()
+    return [str(w.message) for w in caught if "BatchNorm" in str(w.message)]
+
+
+def test_batchnorm_on_several_ranks_warns_once_naming_the_option() -> None:
+    unsynced = run_on_ranks(_batchnorm_warnings, 2, args=({},))
+    assert len(unsynced[0]) == 1 and unsynced[1] == []  # rank 0 says it, once
+    assert "strategy_options={'sync_batchnorm': True}" in unsynced[0][0]
+    assert run_on_ranks(_batchnorm_warnings, 2, args=({"sync_batchnorm": True},)) == [[], []]

@@ -63,12 +63,13 @@ def test_binds_named_tensors_ties_and_buffers_and_restores() -> None:
     before = own_tensors(net)
     fast = {"body.0.weight": torch.randn(6, 4), "proj.weight": torch.randn(4, 4),
             "shift": torch.zeros(4), "scale": torch.full((4,), 2.0)}
-    assert not explicit_parameters_active()
+    assert not explicit_parameters_active(net)
     with bind_parameters(net, fast):
-        assert explicit_parameters_active()
+        assert explicit_parameters_active(net)
+        assert not explicit_parameters_active(net.body)  # the module bound, not its parts
         got = net(x)
         assert net.out.weight is fast["proj.weight"]  # the other use of the tied weight
-    assert not explicit_parameters_active()
+    assert not explicit_parameters_active(net)
     want = reference(net, x, {**fast, "out.weight": fast["proj.weight"]})
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     after = own_tensors(net)
@@ -88,8 +89,8 @@ def test_nests_and_restores_on_exception() -> None:
         with pytest.raises(RuntimeError, match="boom"), bind_parameters(net, inner):
             raise RuntimeError("boom")
         assert net.head.bias is outer["head.bias"]
-        assert explicit_parameters_active()
-    assert net.head.bias is own and not explicit_parameters_active()
+        assert explicit_parameters_active(net)
+    assert net.head.bias is own and not explicit_parameters_active(net)
 
 
 def test_a_block_is_re_enterable() -> None:
@@ -142,7 +143,7 @@ def test_rebind_keeps_non_leaf_tensors_in_the_parameter_entries() -> None:
     new = net.proj.weight * 2
     rebind_parameters(net, {"proj.weight": new})
     assert net.out.weight is new and dict(net.named_parameters())["out.weight"] is new
-    assert not explicit_parameters_active()
+    assert not explicit_parameters_active(net)
 
 
 class Block(nn.Module):

@@ -244,7 +244,11 @@ def _landing() -> dict[str, bool]:
         out[f"{strategy} lands exactly"] = torch.equal(stepped[0].grad, want)
         with comm.stats.counting() as step:
             hyper.optimizer.step()  # the reducer must not re-average (or sync anything)
-        out[f"{strategy} no collective"] = landing.calls == 0 and step.calls == 0
+        # zero3: only the per-step all-reduce of which parameters have a gradient (one
+        # byte per parameter: log_decay), which the landing recorded (strategies/unreached.py)
+        flags = {"all_reduce": 1} if strategy == "zero3" else {}
+        out[f"{strategy} no collective"] = landing.calls == 0 and {
+            op: s.calls for op, s in step.ops.items()} == flags and step.bytes == len(flags)
     return out
 
 

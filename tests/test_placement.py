@@ -127,10 +127,11 @@ def _train(strategy: str) -> dict[str, Any]:
     gathered = gather_state(where, opt, None)  # consolidated from the description alone
     assert gathered is not None
     # ... and cut back into this rank's tensors, it is the live state again
-    cut = cut_state(where.stepped, gathered)
+    cut, own = cut_state(where.stepped, gathered)
     live = {id(t): opt.state[t] for t in cut}
-    recut = all(torch.equal(torch.as_tensor(v), torch.as_tensor(live[id(t)][k]))
-                for t, entry in cut.items() for k, v in entry.items())
+    recut = not any(own.values()) and all(
+        torch.equal(torch.as_tensor(v), torch.as_tensor(live[id(t)][k]))
+        for t, entry in cut.items() for k, v in entry.items())
     return {"module": _module_pieces(model.placements(), w.rank),
             "optimizer": _optimizer_pieces(where, opt, w.rank), "gathered": gathered,
             "recut": recut and len(cut) == sum(1 for x in where.stepped if opt.state.get(x.tensor))}

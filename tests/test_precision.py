@@ -85,8 +85,11 @@ def _gradient_bytes(strategy: str, reduce_dtype: str | None) -> tuple[int, dict[
             out = model(shard(x, w.rank, w.world_size))
             s.backward(loss_fn(out, shard(y, w.rank, w.world_size)))
             opt.step()
-    reducing = sum(o.bytes for name, o in counts.ops.items()
-                   if name in ("all_reduce", "reduce", "reduce_scatter"))
+    # zero3's gradients are all reduce-scattered; its one all-reduce per step carries the
+    # per-parameter "had a gradient" flags (a byte each, strategies/unreached.py)
+    reducing_ops = ("reduce_scatter",) if strategy == "zero3" else (
+        "all_reduce", "reduce", "reduce_scatter")
+    reducing = sum(o.bytes for name, o in counts.ops.items() if name in reducing_ops)
     return reducing, {"params": dict(model.state_dict())}
 
 

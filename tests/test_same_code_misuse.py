@@ -156,7 +156,9 @@ def _trainable_after_step(strategy: str) -> list[bool]:
     problem = _Regression("lower", net, torch.optim.SGD(net.parameters(), lr=0.1),
                           train_data_loader=DataLoader(data, batch_size=6),
                           config=ProblemConfig())
-    Engine([problem], config=EngineConfig(train_iters=1, strategy=strategy))
+    # the opt-in overlapped refresh (the default refreshes inside step())
+    Engine([problem], config=EngineConfig(train_iters=1, strategy=strategy,
+                                          strategy_options={"overlap_param_gather": True}))
     in_flight = []
     for step in range(3):
         x, y = _batch(step)
@@ -188,5 +190,24 @@ def _forward_on_swapped_shards() -> str:
 
 def test_functional_call_on_the_shards_raises_instead_of_ignoring_them() -> None:
     for message in run_on_ranks(_forward_on_swapped_shards, 2):
-        assert "functional_call replaced the model's parameters (shards.0" in message
-        assert "model.functional_forward(params, x)" in message
+        assert "its parameters (shards.0" in message
+        assert "made by torch.func.functional_call" in message
+        assert "model.functional_forward(fast, x)" in message
+
+
+def _deepcopy_of_a_sharded_model() -> str:
+    import copy
+
+    s = metadist.strategy("zero3", **SHARDED)
+    net = _net()
+    model, _ = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(TypeError) as info:
+        copy.deepcopy(model)
+    return str(info.value)
+
+
+def test_a_deep_copy_of_a_sharded_model_says_what_to_use() -> None:
+    """Before: "cannot pickle 'AccumulateGrad' object" from deep inside the shards."""
+    for message in run_on_ranks(_deepcopy_of_a_sharded_model, 2):
+        assert "copy.deepcopy of a zero3/fsdp/hsdp model" in message
+        assert "module_clone(model, by='deepcopy')" in message

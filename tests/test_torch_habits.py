@@ -282,7 +282,7 @@ def test_switching_strategy_keeps_the_options_and_warns_once_per_ignored_one() -
     ("ddp", {"param_dtype": None, "wrap_classes": (), "min_unit_params": 100_000,
              "prefetch": False, "cpu_offload": False}),
     ("zero3", {"bucket_cap_mb": 25.0, "broadcast_buffers": False,
-               "overlap_param_gather": True}),
+               "overlap_param_gather": False}),
     ("single", {"bucket_cap_mb": 25, "overlap_param_gather": False}),
 ])
 def test_options_meaning_off_are_accepted_silently(name: str, options: dict[str, Any]) -> None:

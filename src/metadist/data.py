@@ -7,6 +7,14 @@ global batch is split as evenly as possible, a rank left without samples gets on
 sample with weight 0, and each rank reports (its samples, the global batch's samples) so the
 gradient sync weights ranks and the result stays the single-process mean.
 
+Where an epoch's order comes from: by default from the loader's sampler under a random
+state seeded with ``seed + epoch``, the same on every rank whatever else the program draws.
+With ``seed=None``, from the process's global random generator, drawn when the epoch's
+iteration starts, as torch's own loader draws it (its workers' base seed on ``iter()``, its
+sampler's permutation at the first batch): a seeded program then reads, in one process,
+exactly the batches its own loader would, and on N ranks the same global order (every rank
+draws, rank 0's order is used by all).
+
 Position (``state_dict()`` / ``load_state_dict()`` of the loader and the sampler): the epoch,
 the global steps taken in it and the samples (for a custom batch sampler: its batches) they
 consumed. It does not depend on the world size: a resumed loader continues the epoch's global
@@ -61,7 +69,8 @@ class DistributedBatchSampler(Sampler[list[int]]):
     """Batches of indices for one rank; the global order is the same on every rank.
 
     ``order_source`` yields the epoch's global sample order; it is drawn under a random
-    state seeded by ``seed + epoch`` so a shuffling sampler agrees across ranks. With
+    state seeded by ``seed + epoch`` so a shuffling sampler agrees across ranks, or with
+    ``seed=None`` under the global random state, rank 0's draw used by all. With
     ``batches=True`` the source yields whole batches (a custom batch sampler), which are
     dealt to ranks round-robin instead of being cut into slices.
 
@@ -70,7 +79,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
     """
 
     def __init__(self, order_source: Iterable[Any], batch_size: int, *, rank: int,
-                 world_size: int, drop_last: bool = False, seed: int = 0,
+                 world_size: int, drop_last: bool = False, seed: int | None = 0,
                  batches: bool = False) -> None:
         if batch_size < 1 and not batches:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -92,6 +101,13 @@ class DistributedBatchSampler(Sampler[list[int]]):
     def _draw(self) -> list[Any]:
         if isinstance(self.source, SequentialSampler):  # no randomness to seed: every epoch
             return list(range(len(self.source)))        # is 0..n-1 (no RNG fork, ~70 us)
+        if self.seed is None:  # the global random state, as the user's own loader would
+            order = list(iter(self.source))
+            if self.world_size > 1:
+                from metadist.comm import ops
+
+                order = ops.broadcast_object(order, 0)
+            return order
         # The CPU generator only (forked and restored): torch.manual_seed would also reseed
         # every accelerator's generator, which fork_rng(devices=[]) does not restore, and
         # costs about 1 ms.
@@ -223,9 +239,15 @@ class DistributedDataLoader(DataLoader[Any]):
         sampler = self._sampler
         sampler.set_epoch(self._epoch, *self._resume)
         self._epoch, self._resume = self._epoch + 1, (0, 0)
+        # torch's iterator draws its workers' base seed now, and the order is drawn when the
+        # first batch is asked for: the global random state is consumed as by torch's loader
+        return self._batches(sampler, super().__iter__())
+
+    def _batches(self, sampler: DistributedBatchSampler, batches: Iterator[Any]
+                 ) -> Iterator[Any]:
         steps = sampler.plan()
         self._state = sampler.position(0)
-        for k, (step, batch) in enumerate(zip(steps, super().__iter__(), strict=False)):
+        for k, (step, batch) in enumerate(zip(steps, batches, strict=False)):
             self.local_samples = step.local
             if self._on_batch is not None:
                 self._on_batch(step.local, step.total)
@@ -294,14 +316,16 @@ def _check_splittable(loader: DataLoader[Any], world_size: int,
     return True
 
 
-def distribute_loader(loader: DataLoader[Any], *, rank: int, world_size: int, seed: int = 0,
+def distribute_loader(loader: DataLoader[Any], *, rank: int, world_size: int,
+                      seed: int | None = 0,
                       on_batch: BatchHook | None = None,
                       dataset_shards_itself: bool = False) -> DataLoader[Any]:
     """Re-create ``loader`` for ``rank`` of ``world_size``, keeping its batch size, shuffle,
     drop_last, collate_fn, workers and pinning. A loader that already has a distributed
     sampler is returned as is. An IterableDataset cannot be split by index: it must shard
     itself, which ``dataset_shards_itself=True`` declares (the loader is then returned as
-    is); without it, more than one rank is an error rather than duplicated data."""
+    is); without it, more than one rank is an error rather than duplicated data.
+    ``seed=None``: draw the order from the global random state (see the module notes)."""
     if _is_distributed(loader) or not _check_splittable(loader, world_size,
                                                         dataset_shards_itself):
         return loader
@@ -324,9 +348,12 @@ def distribute_loader(loader: DataLoader[Any], *, rank: int, world_size: int, se
     accepted = inspect.signature(DataLoader.__init__).parameters
     kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     # Distinct worker seeds per rank: otherwise every rank draws the same augmentations.
-    generator = torch.Generator()
-    base = loader.generator.initial_seed() if loader.generator is not None else seed
-    generator.manual_seed(base * 1_000_003 + rank)
+    # (seed=None: the user's generator, drawn from as torch's own loader would.)
+    generator = loader.generator
+    if seed is not None:
+        generator = torch.Generator()
+        base = loader.generator.initial_seed() if loader.generator is not None else seed
+        generator.manual_seed(base * 1_000_003 + rank)
     return DistributedDataLoader(
         loader.dataset, batch_sampler=sampler, worker_init_fn=_SeedWorkers(loader.worker_init_fn),
         generator=generator, on_batch=on_batch, **kwargs)

@@ -147,9 +147,10 @@ class Capture:
             state = optimizer.state.get(s.tensor)
             if not state:
                 continue
-            for state_name in sorted(state):
-                value = state[state_name]
-                for p in s.params:
+            for p in s.params:
+                held_state = s.state_for(p, state) or {}  # one process's, for p
+                for state_name in sorted(held_state):
+                    value = held_state[state_name]
                     key = (name, p.name, state_name)
                     if is_piece_tensor(value) and per_element(state_name, value, s.tensor.shape):
                         self._tensor(key, p.on(value))

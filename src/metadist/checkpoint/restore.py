@@ -23,8 +23,8 @@ from metadist.checkpoint.entries import Entry, Key, describe
 from metadist.checkpoint.errors import CheckpointMismatchError, CorruptCheckpointError
 from metadist.checkpoint.pieces import TensorInfo
 from metadist.checkpoint.source import Source
+from metadist.strategies.own_state import OWN, Own, own_states
 from metadist.strategies.placement import (
-    OptimizerPlacement,
     Stepped,
     numbered_groups,
     optimizer_placement,
@@ -148,20 +148,24 @@ class _Planner:
                     f"checkpoint but {list(b)} here; the checkpoint belongs to a different model")
         names = self.source.optimizer_state(name)
         state: dict[int, dict[str, Any]] = {}
+        own: dict[int, Own] = {}
         for j, s in enumerate(where.stepped):
-            entry = self._stepped_entry(name, where, s, names)
+            entry, own[j] = self._stepped_entry(name, s, names)
             if entry:
                 state[j] = entry
         groups = numbered_groups(saved, [len(g["params"]) for g in optimizer.param_groups])
-        sd = {"state": state, "param_groups": groups, **where.tag}
+        sd = {"state": state, "param_groups": groups, **where.tag,
+              **({OWN: {j: o for j, o in own.items() if o}} if where.tag else {})}
         return lambda: optimizer.load_state_dict(sd)
 
-    def _stepped_entry(self, name: str, where: OptimizerPlacement, s: Stepped,
-                       names: dict[int, list[str]]) -> dict[str, Any]:
+    def _stepped_entry(self, name: str, s: Stepped, names: dict[int, list[str]]
+                       ) -> tuple[dict[str, Any], Own]:
         """The state of one tensor this rank steps: per-element state cut from whatever
         pieces hold it (zeros where a parameter has none, and in padding), per-parameter
-        values as saved."""
+        values those most of its parameters hold, and the parameters that hold their own
+        (:func:`~metadist.strategies.placement.own_states`)."""
         out: dict[str, Any] = {}
+        shared: dict[str, dict[str, Any]] = {p.name: {} for p in s.params}
         for state_name in sorted({n for p in s.params for n in names.get(int(p.name), [])}):
             holders = [(p, (name, p.name, state_name)) for p in s.params
                        if state_name in names.get(int(p.name), [])]
@@ -177,11 +181,17 @@ class _Planner:
                         self.source.read(key, part.start, part.stop,
                                          buf[part.offset:part.offset + part.numel])
                 out[state_name] = buf.view(s.tensor.shape)
-            else:  # per parameter (e.g. Adam's step): the same for the whole tensor
-                key = holders[0][1]
-                out[state_name] = (self.source.full(key) if key in self.source.tensors
-                                   else self.source.values[key])
-        return out
+            else:  # per parameter (e.g. Adam's step): one value for the whole tensor
+                for p, key in holders:
+                    shared[p.name][state_name] = (self.source.full(key)
+                                                  if key in self.source.tensors
+                                                  else self.source.values[key])
+        if len(s.params) == 1:
+            return {**out, **shared[s.params[0].name]}, {}
+        keys = sorted({k for values in shared.values() for k in values})
+        common, own = own_states([(p.name, shared[p.name] if names.get(int(p.name)) else None)
+                                  for p in s.params], keys)
+        return {**out, **common}, own
 
 
 def _loader(obj: Any, saved: Any) -> Callable[[], None]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from metadist.meta.bilevel import record_last_grads, upper_gradient, weighted
 from metadist.meta.config import EngineConfig
 from metadist.meta.loggers import make_logger
 from metadist.meta.methods import hypergradient_method
-from metadist.meta.problem import BoundForward, Problem, loss_of
+from metadist.meta.problem import Problem, loss_of
 from metadist.runtime.world import init
 from metadist.strategies.base import strategy as make_strategy
 
@@ -93,16 +93,22 @@ class Engine:
         overridden = type(self).validation is not Engine.validation
         self._validates = cfg.valid_step > 0 and overridden
         for p in self.problems.values():
-            if overridden and self.world.rank == 0:
-                # Before setup, while the module is whole: rank 0 validates on this copy.
-                p._replica = copy.deepcopy(p.module).to(self.world.device)
-            strategy = make_strategy(cfg.strategy, precision=p.config.precision or cfg.precision,
-                                     **cfg.strategy_options)
-            p.attach(self, strategy, cfg.seed)
+            self._set_up(p, replica=overridden and self.world.rank == 0)
         # An unbound strategy averages with 1/N; ragged shares are folded into the losses.
         data_parallel = self.world.world_size > 1
         self._sync = (make_strategy(cfg.strategy, **cfg.strategy_options).sync_grads
                       if data_parallel else None)
+
+    def _set_up(self, p: Problem, replica: bool) -> None:
+        """Set one problem up under its strategy (problems in order: what they draw from
+        the global random state is drawn in that order)."""
+        cfg = self.config
+        if replica:
+            # Before setup, while the module is whole: rank 0 validates on this copy.
+            p._replica = copy.deepcopy(p.module).to(self.world.device)
+        strategy = make_strategy(cfg.strategy, precision=p.config.precision or cfg.precision,
+                                 **cfg.strategy_options)
+        p.attach(self, strategy, cfg.seed)
 
     def __getattr__(self, name: str) -> Problem:
         problems: dict[str, Problem] | None = self.__dict__.get("problems")
@@ -275,40 +281,32 @@ class Engine:
     @contextmanager
     def _bound(self, explicit: Mapping[str, Mapping[str, Tensor] | None]) -> Iterator[None]:
         """Within: problem ``n`` runs on ``explicit[n]`` (``None``: on its own parameters), and
-        every other problem on parameters no gradient may reach. Those are its own, untouched,
-        for replicated strategies (callers differentiate only with respect to what they train:
-        ``autograd.grad`` or ``backward(inputs=...)``, so nothing accumulates there) and
-        detached copies under zero3/hsdp (whose own forward would gather shards into a graph).
-        Calls of ``self.<name>(...)`` and ``self.module(...)`` both see this, because the
-        wrapped module's ``forward`` is rebound on the instance (restored on exit: contexts
-        nest) to a :class:`BoundForward`, which runs the problem's module under
-        ``bind_parameters`` (strategies/bind.py) for that one call.
+        every other problem on parameters no gradient may reach: its own, untouched, for
+        replicated strategies (callers differentiate only with respect to what they train:
+        ``autograd.grad`` or ``backward(inputs=...)``, so nothing accumulates there), and
+        detached full copies under zero3/hsdp (whose own forward would gather shards into a
+        graph).
 
-        The binding is per call, not for the whole block, for three reasons: a problem on its
-        own parameters and another on explicit ones run in the same block, and the first's
-        strategy must act (zero3 gathers) while the second's must not, so "running on
-        explicit parameters" holds for one module's forward only; a zero3/hsdp problem's
-        detached parameters are gathered (a collective) only if it is called; and zero3's
-        explicit forward is ``functional_forward``, which also gathers and holds its frozen
-        parameters for the backward, which binding tensors alone would not do."""
-        saved: list[tuple[Any, Any]] = []
-        for name, problem in self.problems.items():
-            params = explicit.get(name, _UNSET)
-            module = problem.wrapped
-            saved.append((module, module.__dict__.get("forward", _UNSET)))
-            if params is None or (params is _UNSET and problem.replicated):
-                module.__dict__.pop("forward", None)  # its own forward, even inside a binding
-            else:
-                explicit_params = params if isinstance(params, Mapping) else None
-                module.__dict__["forward"] = BoundForward(problem, explicit_params)
-        try:
+        The tensors are bound into each problem's user module for the whole block
+        (:meth:`DistributedModule.bound`), not into one call: whatever path the problem's
+        code takes to a module, its own or another problem's (``self(x)``, ``self.module(x)``,
+        a method such as ``self.module.loss(...)``, an attribute, ``named_parameters()``,
+        ``state_dict()``), it reads the tensors bound here, as Betty's in-place perturbation
+        of the real parameters would show them. Under zero3/hsdp a problem on its own
+        parameters is bound to them whole (``full_parameters()``, differentiable into the
+        shards): between its units' forwards the module holds no values to read. Each
+        binding marks only its own module as running on explicit parameters. Blocks nest."""
+        with ExitStack() as stack:
+            for name, problem in self.problems.items():
+                params = explicit.get(name, _UNSET)
+                if problem.replicated and (params is None or params is _UNSET):
+                    continue  # its own parameters, which its module holds
+                if params is None:
+                    params = problem.wrapped.full_parameters()
+                elif params is _UNSET:
+                    params = problem.params()
+                stack.enter_context(problem.bound(params))  # type: ignore[arg-type]
             yield
-        finally:
-            for module, old in reversed(saved):
-                if old is _UNSET:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.__dict__["forward"] = old
 
     def _hypergradient(self, upper: Problem) -> dict[str, Tensor]:
         return upper_gradient(self, upper)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import keyword
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,6 +91,7 @@ class Problem(ABC):
         self.replicated = True
         self._names: frozenset[str] = frozenset()  # trainable, for run_with's check
         self._trainable: list[Tensor] = []
+        self._bound_params: Mapping[str, Tensor] | None = None  # inside bound()
         self._engine: Engine | None = None
         self._iterator: Any = None
         # step counters: micro-batches, optimizer steps, steps in the current unroll window
@@ -130,9 +132,8 @@ class Problem(ABC):
         weights (e.g. a weight decay a hyperparameter controls)."""
         if self._engine is not None and self._engine.validating and self._replica is not None:
             return {n: p for n, p in self._replica.named_parameters() if p.requires_grad}
-        forward = self.wrapped.__dict__.get("forward")
-        if isinstance(forward, BoundForward):
-            return dict(forward.parameters())
+        if self._bound_params is not None:
+            return dict(self._bound_params)
         return self.wrapped.full_parameters()
 
     def functional_forward(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +182,9 @@ class Problem(ABC):
         self.replicated = self._placement.in_module and all(
             t.is_leaf for t in module.full_parameters().values())
         self._names = frozenset(n for n, _ in trainable_slots(module.module))
+        # the same leaf tensors for the life of the setup (inside bound() the module holds
+        # others)
+        self._trainable = [t for t in module.parameters() if t.requires_grad]
         if isinstance(self.train_data_loader, DataLoader):
             # Other iterables are read as they are: sharding them is up to the user.
             self.train_data_loader = strategy.setup_dataloader(self.train_data_loader,
@@ -234,13 +238,22 @@ class Problem(ABC):
 
     def trainable(self) -> list[Tensor]:
         """The leaf tensors this problem's gradients accumulate into (shards under zero3),
-        their values current: zero1/zero2 refresh parameters after a step asynchronously,
-        and whoever reads or edits them through this list waits for that first."""
-        module = self.wrapped
-        module.wait_params()  # every call: the cached list below skips named_parameters' wait
-        if not self._trainable:  # the same tensor objects for the life of the setup
-            self._trainable = [t for t in module.parameters() if t.requires_grad]
+        their values current (zero1/zero2 with ``overlap_param_gather=True`` refresh them
+        after a step asynchronously: whoever reads them through this list waits first)."""
+        self.wrapped.wait_params()
         return self._trainable
+
+    @contextmanager
+    def bound(self, params: Mapping[str, Tensor]) -> Iterator[None]:
+        """Within: this problem's module holds ``params`` for every path that reaches it
+        (:meth:`~metadist.strategies.DistributedModule.bound`), and
+        :meth:`parameters_dict` returns them."""
+        outer, self._bound_params = self._bound_params, params
+        try:
+            with self.wrapped.bound(params):
+                yield
+        finally:
+            self._bound_params = outer
 
     def accumulate_grads(self, grads: Mapping[str, Tensor], *, owned: bool = False) -> None:
         """Add ``grads`` (full-parameter gradients, identical on every rank, already averaged
@@ -263,7 +276,9 @@ class Problem(ABC):
                     _add_grad(p, g, owned)
             return
         # Each gradient lands in the parts of its parameter this rank's optimizer steps (its
-        # slice of a zero3 flat shard; strategies/placement.py).
+        # slice of a zero3 flat shard; strategies/placement.py), which records that these
+        # parameters have a gradient (the others are skipped by the step, as in one process).
+        self._placement.gradients_added(grads)
         landing: dict[int, tuple[Tensor, list[tuple[Part, Tensor]]]] = {}
         for name, g in grads.items():
             placement = self._placement.find(name)
@@ -284,6 +299,13 @@ class Problem(ABC):
                 paste(part.on(buf), g.detach().reshape(-1)[part.start:part.stop])
             _add_grad(local, buf.view(local.shape), owned=True)
 
+    def gradient_arrives(self, t: Tensor) -> None:
+        """A gradient for all of ``t`` (one of :meth:`trainable`) is about to be written by
+        other means than a backward or :meth:`accumulate_grads`: every parameter it holds
+        has one (zero3 skips those without, strategies/unreached.py)."""
+        self._placement.gradients_added(
+            [pl.name for pl in self._placement.tensors if any(q.local is t for q in pl.parts)])
+
     def _check_leaf(self, t: Tensor) -> None:
         if not t.is_leaf:
             raise TypeError(f"problem {self.name!r}: strategy module "
@@ -293,23 +315,6 @@ class Problem(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, config={self.config!r})"
-
-
-class BoundForward:
-    """The forward of a problem's wrapped module inside an engine context (``Engine._bound``):
-    runs on ``explicit`` parameters, or (``explicit=None``) on detached copies of its own,
-    fetched on first use, through :meth:`Problem.run_with`."""
-
-    def __init__(self, problem: Problem, explicit: Mapping[str, Tensor] | None) -> None:
-        self.problem, self._params = problem, explicit
-
-    def parameters(self) -> Mapping[str, Tensor]:
-        if self._params is None:
-            self._params = self.problem.params()
-        return self._params
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.problem.run_with(self.parameters(), args, kwargs)
 
 
 def _add_grad(p: Tensor, g: Tensor, owned: bool = False) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from metadist.strategies.bind import Rebinding, captured, explicit_parameters_active
+from metadist.strategies.bind import Rebinding, bound_within, captured, explicit_marks
 from metadist.strategies.wrap import CHECKPOINTED
 
 ModulePredicate = Callable[[nn.Module], bool]
@@ -50,8 +50,10 @@ class CheckpointWrapper(nn.Module):
         # ran with and rebind exactly that for the recomputation (re-enterable: a graph may
         # be recomputed more than once, e.g. in double backward), or the gradients would be
         # those of the wrong weights.
-        explicit = explicit_parameters_active()
-        rebound = Rebinding(captured(self.checkpointed) if explicit else [], explicit)
+        marks = explicit_marks()
+        explicit = bound_within(self.checkpointed, marks)
+        rebound = Rebinding(captured(self.checkpointed) if explicit else [],
+                            marks=marks if explicit else frozenset())
 
         def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
             return nullcontext(), rebound

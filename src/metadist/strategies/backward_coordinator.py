@@ -24,21 +24,24 @@ class BackwardCoordinator:
     and the last when backward ends."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[FlatParam, torch.Tensor, Handle]] = []
+        self._pending: list[tuple[FlatParam, torch.Tensor, Handle, list[bool] | None]] = []
         self._queued = False
 
-    def defer(self, flat: FlatParam, out: torch.Tensor, handle: Handle) -> None:
+    def defer(self, flat: FlatParam, out: torch.Tensor, handle: Handle,
+              reach: list[bool] | None) -> None:
+        """Finish ``flat``'s reduce-scatter into ``out`` later; ``reach``: the slots it
+        carries a gradient for."""
         self._drain()
-        self._pending.append((flat, out, handle))
+        self._pending.append((flat, out, handle, reach))
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _drain(self) -> None:
         pending, self._pending = self._pending, []
-        for flat, out, handle in pending:
+        for flat, out, handle, reach in pending:
             flat.finish(out, handle)
-            flat.accumulate(out)
+            flat.accumulate(out, reach)
 
     def _end(self) -> None:
         self._queued = False

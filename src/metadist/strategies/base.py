@@ -323,9 +323,14 @@ class Strategy(ABC):
         """The strategy's own optimizer adaptation: sharding, and the phases of
         ``step_chain.building(optimizer)`` it owns (see strategies/step_chain.py)."""
 
-    def setup_dataloader(self, loader: DataLoader[Any], *, seed: int = 0,
+    def setup_dataloader(self, loader: DataLoader[Any], *, seed: int | None = 0,
                          dataset_shards_itself: bool = False) -> DataLoader[Any]:
         """Re-create ``loader`` so each rank reads its share of every global batch.
+
+        Each epoch's order comes from the loader's sampler seeded with ``seed + epoch``;
+        ``seed=None`` draws it from the global random state as torch's own loader would
+        (one process then reads exactly the batches of the loader as given; see
+        metadist/data.py).
 
         An IterableDataset cannot be split by index: shard it inside the dataset (by
         ``metadist.world().rank``) and pass ``dataset_shards_itself=True`` to keep the

@@ -15,9 +15,11 @@ here does, and restoring what was there undoes it:
   and strategies place their own tensors with it (zero3's ``functional_forward``), or with
   :func:`write` where they keep them (a unit's gathered views).
 
-A block also marks the forward as running on explicit parameters: strategies then leave the
-parameters alone (zero3's unit hooks neither gather nor bind inside it). Activation
-checkpointing captures that state with the tensors and re-enters both.
+A block also marks the module it binds as running on explicit parameters, and only that
+module: strategies then leave its parameters alone (zero3's unit hooks neither gather nor
+bind for it) while another module in the same block still runs on its own (the meta
+engine binds one problem's module to fast weights while another gathers its shards).
+Activation checkpointing captures the marks with the tensors and re-enters both.
 """
 
 from __future__ import annotations
@@ -35,13 +37,26 @@ Place = tuple[dict[str, Any], str]
 Saved = tuple[dict[str, Any], str, Any]
 
 _MISSING = object()
-_EXPLICIT: ContextVar[bool] = ContextVar("metadist_explicit_parameters", default=False)
+#: ids of the root modules bound by the blocks now open, and of every dict they wrote
+_EXPLICIT: ContextVar[frozenset[int]] = ContextVar("metadist_explicit_parameters",
+                                                   default=frozenset())
 
 
-def explicit_parameters_active() -> bool:
-    """Whether the forward now running runs on explicitly bound parameters (inside a
-    :class:`Rebinding`): strategies must not rebind their own there."""
+def explicit_parameters_active(root: nn.Module) -> bool:
+    """Whether ``root``'s forward runs on explicitly bound parameters (inside a
+    :class:`Rebinding` of it): its strategy must not rebind its own there."""
+    return id(root) in _EXPLICIT.get()
+
+
+def explicit_marks() -> frozenset[int]:
+    """The marks of the blocks now open (to re-enter them later, :class:`Rebinding`)."""
     return _EXPLICIT.get()
+
+
+def bound_within(module: nn.Module, marks: frozenset[int]) -> bool:
+    """Whether a block with ``marks`` wrote into ``module``'s subtree."""
+    return bool(marks) and any(id(store) in marks for m in module.modules()
+                               for store in (m._parameters, m._buffers, m.__dict__))
 
 
 # ----- the primitive ----------------------------------------------------------------------
@@ -75,18 +90,22 @@ def restore(saved: Sequence[Saved]) -> None:
 
 
 class Rebinding:
-    """A block within which ``assignments`` are in place and forwards run on explicit
-    parameters (``explicit``); everything is restored on exit, also after an exception.
-    Re-enterable and nestable: each entry saves what it replaces."""
+    """A block within which ``assignments`` are in place and ``root`` (and whatever the
+    assignments write into) runs on explicit parameters; everything is restored on exit,
+    also after an exception. ``marks``: further marks to hold (those captured from another
+    block, :func:`explicit_marks`). Re-enterable and nestable: each entry saves what it
+    replaces."""
 
-    def __init__(self, assignments: Sequence[tuple[Place, Tensor]], explicit: bool = True
-                 ) -> None:
-        self.assignments, self.explicit = assignments, explicit
-        self._stack: list[tuple[list[Saved], Token[bool]]] = []
+    def __init__(self, assignments: Sequence[tuple[Place, Tensor]],
+                 root: nn.Module | None = None, marks: frozenset[int] = frozenset()) -> None:
+        self.assignments = assignments
+        self.marks = marks | {id(store) for (store, _), _ in assignments} | (
+            {id(root)} if root is not None else set())
+        self._stack: list[tuple[list[Saved], Token[frozenset[int]]]] = []
 
     def __enter__(self) -> None:
         saved = write(self.assignments)
-        self._stack.append((saved, _EXPLICIT.set(self.explicit)))
+        self._stack.append((saved, _EXPLICIT.set(_EXPLICIT.get() | self.marks)))
 
     def __exit__(self, *exc: object) -> None:
         saved, token = self._stack.pop()
@@ -219,7 +238,7 @@ def bind_parameters(module: nn.Module, mapping: Mapping[str, Tensor]) -> Rebindi
     spell them; one name of a tied weight binds every use) and everything else as it is;
     restored on exit. The forward runs on explicit parameters (see the module notes). The
     returned block may be entered again (and nested) to run on the same tensors."""
-    return Rebinding(_assignments(module, mapping))
+    return Rebinding(_assignments(module, mapping), module)
 
 
 def rebind_parameters(module: nn.Module, mapping: Mapping[str, Tensor]) -> None:

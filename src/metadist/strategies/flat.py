@@ -15,6 +15,12 @@ gradient.
 Writes into the full buffer go through ``.data`` so re-gathering for backward never trips
 autograd's version checks on the tensors it saved.
 
+Which parameters a gradient reached is recorded per slot (:class:`_Views`: the split into
+parameter views is a node whose backward sees which views got a gradient); the record
+travels with the gradient (no_sync's stash, the deferred reduce-scatter) into
+:attr:`FlatParam.reached`, "has a gradient" per parameter, which strategies/unreached.py
+turns into one process's ``grad=None`` at the optimizer step.
+
 Graphs that no unit hook re-gathers for (``full_parameters()``, the parameters
 ``functional_forward`` fills in) get :meth:`FlatParam.owned`: a gathered copy of their own
 behind :class:`_UnshardOwned`, shared by the calls until the next optimizer step. No forward
@@ -42,6 +48,7 @@ from metadist.comm.handle import Handle
 from metadist.runtime.world import SELF, Group
 from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.buckets import will_accumulate
+from metadist.strategies.own_state import Own
 from metadist.strategies.placement import (
     OptimizerPlacement,
     flat_optimizer,
@@ -125,6 +132,9 @@ class FlatParam:
                 shard = shard.cpu().pin_memory() if device.type == "cuda" else shard.cpu()
         self.shard = nn.Parameter(shard, requires_grad=originals[0].requires_grad)
         self.full = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
+        #: per slot, what its module attributes hold while the buffer is freed (the
+        #: strategy's placeholders, strategies/foreign_runs.py)
+        self.placeholders: list[torch.Tensor] = []
         self._write = self.full.data  # own version counter: refills are invisible to autograd
         self._free()
         grad_fn = self.shard.view_as(self.shard).grad_fn if self.shard.requires_grad else None
@@ -141,6 +151,16 @@ class FlatParam:
         self._owned_copy: tuple[int, torch.Tensor] | None = None
         self._stash: torch.Tensor | None = None  # unsharded gradients under no_sync
         self._sync_grads = True
+        # Per slot, whether a gradient reached it: seen by the views' backward (pending),
+        # kept with the no_sync stash, and in ``reached`` for the gradient ``shard.grad``
+        # holds (reset when that starts afresh). See strategies/unreached.py.
+        self._pending_reach: list[bool] | None = None
+        self._stash_reach: list[bool] | None = None
+        self.reached: list[bool] | None = None
+        #: Slots a step skipped whose optimizer state one process would hold otherwise than
+        #: this shard does: slot index -> that state's per-parameter values (None: one
+        #: process holds no state for it). Kept by strategies/unreached.py.
+        self.skipped: dict[int, dict[str, Any] | None] = {}
         self._on_reduce: Callable[[], None] | None = None  # see set_on_reduce
 
     # ----- claims on the full buffer ------------------------------------------------
@@ -170,6 +190,7 @@ class FlatParam:
         """The shard changed: every claim on the gathered buffer and the owned copy is void
         (graphs recorded before the step are not backpropagated again); free it."""
         self._live, self._pinned, self._owned_copy = 0, False, None
+        self._pending_reach = None
         self.release()
 
     # ----- gather and free ------------------------------------------------------------
@@ -178,7 +199,18 @@ class FlatParam:
         return self.full.untyped_storage().size() > 0
 
     def _free(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        """Free the full buffer; module attributes still holding views of it get their
+        placeholders back (reading a view of freed memory would read past its end)."""
+        storage = self.full.untyped_storage()
+        if self.placeholders and storage.size() > 0:
+            ptr = storage.data_ptr()
+            for slot, placeholder in zip(self.slots, self.placeholders, strict=True):
+                for module, attr in slot.uses:
+                    held = module.__dict__.get(attr)
+                    if (isinstance(held, torch.Tensor) and not held.is_meta
+                            and held.untyped_storage().data_ptr() == ptr):
+                        module.__dict__[attr] = placeholder
+        storage.resize_(0)
 
     def start_gather(self) -> bool:
         """Launch the all-gather of the full buffer; False (nothing to do) if it is present
@@ -263,10 +295,24 @@ class FlatParam:
             return out
 
     def views(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """Parameter-shaped views of ``full`` (one split: a single node in backward)."""
-        sizes = [s.numel for s in self.slots]
-        pieces = full.split([*sizes, self.padded - self.numel])
-        return [piece.view(s.shape) for piece, s in zip(pieces, self.slots, strict=False)]
+        """Parameter-shaped views of ``full``: one node in backward, which records which of
+        them a gradient reached."""
+        if full.requires_grad:
+            return list(_Views.apply(full, self))
+        return _split(full, self)
+
+    def note_reached(self, mask: list[bool]) -> None:
+        """A backward through :meth:`views` reached the slots ``mask`` marks."""
+        self._pending_reach = _union(self._pending_reach, mask)
+
+    def _take_reached(self) -> list[bool] | None:
+        mask, self._pending_reach = self._pending_reach, None
+        return mask
+
+    def gradient_added(self, mask: list[bool] | None) -> None:
+        """A gradient of the slots ``mask`` marks is about to go into ``shard.grad``
+        (reduced here, or added by the meta engine): a fresh gradient starts the record."""
+        self.reached = mask if self.shard.grad is None else _union(self.reached, mask)
 
     # ----- gradients ------------------------------------------------------------------
     def reduce(self, grad: torch.Tensor, owned: bool = False) -> torch.Tensor | None:
@@ -276,6 +322,7 @@ class FlatParam:
         accumulating = self.acc_node is not None and will_accumulate(self.acc_node)
         if not accumulating and not _reduced_shard_grads:
             _refuse_shard_grad()
+        reach = self._take_reached()
         if not owned:
             # at 0 already: a graph kept by retain_graph=True, backpropagated again
             self._live = max(self._live - 1, 0)
@@ -287,6 +334,8 @@ class FlatParam:
             out = functional.reduce_scatter(g, "sum", group=self.group)
             if self.replicate_group is not SELF:
                 out = functional.all_reduce(out, "sum", group=self.replicate_group)
+            if accumulating:
+                self.gradient_added(reach)
             return out.to(self.shard.device, self.shard.dtype)
         # autograd hands us a fresh buffer (the split's concatenated gradient): the collective
         # may overwrite it; anything else (a view, an expanded zero) is copied first.
@@ -299,9 +348,10 @@ class FlatParam:
             self._on_reduce()
         if self._stash is not None:
             g += self._stash
-            self._stash = None
+            reach, self._stash, self._stash_reach = _union(reach, self._stash_reach), None, None
         if not self._sync_grads:
             self._stash = g  # no_sync: accumulate unsharded, reduce with the next synced pass
+            self._stash_reach = reach
             return None
         # The mean's 1/N is applied to the shard after the reduction (N times fewer elements);
         # only a rank whose batch weight differs from 1/N rescales its full gradient first.
@@ -312,7 +362,8 @@ class FlatParam:
         handle = ops.reduce_scatter(out, g, "sum", group=self.group, async_op=True,
                                     input_is_scratch=True)
         if accumulating:
-            self.coordinator.defer(self, out, handle)  # finished by the next one or at the end
+            # finished by the next one or at the end
+            self.coordinator.defer(self, out, handle, reach)
             return None
         self.finish(out, handle)
         return out.mul_(1.0 / self.total).to(self.shard.device, self.shard.dtype)
@@ -323,8 +374,10 @@ class FlatParam:
         if self.replicate_group is not SELF:
             ops.all_reduce(out, "sum", group=self.replicate_group)
 
-    def accumulate(self, reduced: torch.Tensor) -> None:
-        """Add a reduced (summed, not yet averaged) shard gradient into ``shard.grad``."""
+    def accumulate(self, reduced: torch.Tensor, reach: list[bool] | None) -> None:
+        """Add a reduced (summed, not yet averaged) shard gradient into ``shard.grad``;
+        ``reach``: the slots it has a gradient for."""
+        self.gradient_added(reach)
         # Non-blocking only towards the device: a device-to-host copy (cpu_offload) must be
         # complete before the CPU arithmetic below reads it, and nothing orders the two.
         value = reduced.to(self.shard.device, self.shard.dtype,
@@ -333,6 +386,40 @@ class FlatParam:
             self.shard.grad = value.mul_(1.0 / self.total)
         else:
             self.shard.grad.add_(value, alpha=1.0 / self.total)
+
+
+def _split(full: torch.Tensor, flat: FlatParam) -> list[torch.Tensor]:
+    pieces = full.split([*(s.numel for s in flat.slots), flat.padded - flat.numel])
+    return [piece.view(s.shape) for piece, s in zip(pieces, flat.slots, strict=False)]
+
+
+def _union(a: list[bool] | None, b: list[bool] | None) -> list[bool] | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return [x or y for x, y in zip(a, b, strict=True)]
+
+
+class _Views(torch.autograd.Function):
+    """The split of a full buffer into parameter views (what ``split`` does), whose backward
+    also tells the flat which views a gradient reached: autograd hands it None for the
+    others, where one process leaves ``grad=None``."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor, flat: FlatParam) -> tuple[torch.Tensor, ...]:
+        ctx.flat = flat
+        ctx.set_materialize_grads(False)
+        return tuple(_split(full, flat))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        flat: FlatParam = ctx.flat
+        flat.note_reached([g is not None for g in grads])
+        like = next(g for g in grads if g is not None)
+        parts = [g.reshape(-1) if g is not None else like.new_zeros(s.numel)
+                 for g, s in zip(grads, flat.slots, strict=True)]
+        if flat.padded > flat.numel:
+            parts.append(like.new_zeros(flat.padded - flat.numel))
+        return torch.cat(parts), None
 
 
 class _Unshard(torch.autograd.Function):
@@ -403,7 +490,13 @@ class FlatLayout(OptimizerLayout):
                 else:
                     for d in per_param:
                         d[key] = value.clone() if torch.is_tensor(value) else value
-            for p, d in zip(flat.originals, per_param, strict=True):
+            for i, (p, d) in enumerate(zip(flat.originals, per_param, strict=True)):
+                if i in flat.skipped:  # the state one process holds for it (unreached.py)
+                    own = flat.skipped[i]
+                    if own is None:
+                        continue
+                    d.update({k: v.clone() if torch.is_tensor(v) else v
+                              for k, v in own.items()})
                 if d:
                     out[index[id(p)]] = d
         return out if to is None or ops.group_info(None)[2] == to else None
@@ -411,3 +504,16 @@ class FlatLayout(OptimizerLayout):
     def placements(self, original_groups: list[list[torch.Tensor]]) -> OptimizerPlacement:
         stepped = [t for g in original_groups for t in self.local_params(g)]
         return flat_optimizer(self.flats, original_groups, stepped)
+
+    def set_own(self, own: dict[torch.Tensor, Own], original: list[torch.Tensor]) -> None:
+        """A loaded state: each flat's record of skipped parameters (strategies/
+        unreached.py) is what the state says, by the parameters' original indices."""
+        for flat in self.flats:
+            names = {str(i): slot for i, p in enumerate(original)
+                     if (slot := self._slot_in(flat, p)) is not None}
+            flat.skipped = {names[name]: value for name, value in own.get(flat.shard, {}).items()
+                            if name in names}
+
+    def _slot_in(self, flat: FlatParam, p: torch.Tensor) -> int | None:
+        where = self.where.get(id(p))
+        return where[1] if where is not None and where[0] is flat else None

@@ -56,6 +56,12 @@ from metadist.strategies.flat import (
     Slot,
     reduced_shard_grads,
 )
+from metadist.strategies.foreign_runs import (
+    Origin,
+    Placeholder,
+    refuse_deepcopy,
+    refuse_foreign_run,
+)
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import ModulePlacement, flat_module
@@ -63,6 +69,7 @@ from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
 from metadist.strategies.units import Schedule, Unit
+from metadist.strategies.unreached import SkipUnreached
 from metadist.strategies.wrap import UnitPlan, plan_units
 from metadist.strategies.zero import clip_sharded_grads
 
@@ -101,6 +108,7 @@ class ShardedModule(DistributedModule):
         self.shards = nn.ParameterList([flat.shard for flat in self.flats])
         self._config = config
         self._handles: list[Any] = []
+        self._origin = Origin(self)  # copies and patched classes carry it along
         self._schedule = Schedule(units, reshard_after_forward=config.reshard_after_forward,
                                   prefetch=config.prefetch)
         for unit in units:
@@ -109,46 +117,41 @@ class ShardedModule(DistributedModule):
             for member in unit.modules:
                 # eager: never traced, also where a user compiled a module around them
                 self._handles.append(member.register_forward_pre_hook(
-                    eager(partial(self._route_pre_forward, unit)), with_kwargs=True))
+                    eager(partial(self._route_pre_forward, unit, module)), with_kwargs=True))
                 self._handles.append(member.register_forward_hook(
-                    eager(partial(self._route_post_forward, unit)),
+                    eager(partial(self._route_post_forward, unit, module)),
                     always_call=True))  # an exception must not leave the unit running
 
     # ----- hooks: routed to the units (strategies/units.py) ---------------------------
     @staticmethod
-    def _route_pre_forward(unit: Unit, member: nn.Module, args: tuple[Any, ...],
-                           kwargs: dict[str, Any]
+    def _route_pre_forward(unit: Unit, root: nn.Module, member: nn.Module,
+                           args: tuple[Any, ...], kwargs: dict[str, Any]
                            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if explicit_parameters_active():  # functional_forward bound the parameters itself
+        if explicit_parameters_active(root):  # the parameters were bound for this forward
             return None
         return unit.pre_forward(args, kwargs)
 
     @staticmethod
-    def _route_post_forward(unit: Unit, member: nn.Module, args: Any, output: Any) -> Any:
-        if not explicit_parameters_active():
+    def _route_post_forward(unit: Unit, root: nn.Module, member: nn.Module, args: Any,
+                            output: Any) -> Any:
+        if not explicit_parameters_active(root):
             unit.post_forward(member, output)
         return output
 
     def pre_forward(self) -> None:
-        if not explicit_parameters_active():
+        if not explicit_parameters_active(self.module):
             self._schedule.end_forward()
             self.units[-1].gather_for_step()  # the root unit stays gathered through the step
 
-    def _check_shards_in_place(self) -> None:
-        """``torch.func.functional_call(model, dict(model.named_parameters()), ...)`` swaps the
-        shards, which no forward reads (it gathers every rank's own): refuse, never ignore."""
+    def _check_own_run(self) -> None:
+        """Only the set-up model itself runs on its shards: a copy, a clone, a patched class
+        or swapped shards are refused, naming the path (strategies/foreign_runs.py)."""
         swapped = [name for name, shard in self.shards.named_parameters()
                    if shard is not self.flats[int(name)].shard]
-        if swapped:
-            names = ", ".join("shards." + n for n in swapped[:3]) + (" ..." * (len(swapped) > 3))
-            raise RuntimeError(
-                f"torch.func.functional_call replaced the model's parameters ({names}), which "
-                "under zero3/fsdp/hsdp are this rank's flat shards: a forward gathers "
-                "every rank's shard, so weights given as shards cannot be this rank's (fast) "
-                "weights. Pass full parameters by your module's names: params = "
-                "model.full_parameters(), then model.functional_forward(params, x) or "
-                "torch.func.functional_call(model, {'module.' + n: p for n, p in "
-                "params.items()}, (x,))")
+        refuse_foreign_run(self, self._origin, swapped)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        refuse_deepcopy(self)
 
     def reduced_shard_grads(self) -> AbstractContextManager[None]:
         """Inside, ``torch.autograd.grad`` with respect to this model's shards
@@ -164,7 +167,7 @@ class ShardedModule(DistributedModule):
                                     for m in unit.modules})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_shards_in_place()
+        self._check_own_run()
         out = super().forward(*args, **kwargs)
         self._schedule.end_forward()
         if torch.is_grad_enabled():
@@ -216,13 +219,44 @@ class ShardedModule(DistributedModule):
                     target._parameters[attr] = values[slot.fqn]
         return copied
 
+    def _check_names(self, params: Mapping[str, torch.Tensor], who: str) -> None:
+        known = {s.fqn for flat in self.flats for s in flat.slots}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"{who} got unknown parameter names {unknown}; use the names of "
+                             "model.full_parameters()")
+
+    def bound(self, params: Mapping[str, torch.Tensor]) -> Rebinding:
+        """The user's module holds full parameters for the block: ``params`` where given,
+        gathered copies of its own elsewhere (frozen ones too, which no unit gathers for a
+        module bound explicitly), in each attribute and in ``_parameters``, so that its
+        forward, methods, attributes, ``named_parameters()`` and ``state_dict()`` read them
+        as one process's module would."""
+        self._check_names(params, "bound")
+        placed: list[tuple[Place, torch.Tensor]] = []
+        for flat in self.flats:
+            values = [params.get(s.fqn) for s in flat.slots]
+            if any(v is None for v in values):
+                own = flat.views(flat.owned())
+                values = [o if v is None else v for v, o in zip(values, own, strict=True)]
+            for slot, value in zip(flat.slots, values, strict=True):
+                for module, attr in slot.uses:
+                    assert value is not None
+                    placed += [(place_of(module, attr), value), ((module._parameters, attr), value)]
+        return Rebinding(placed, self.module)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The shards (what the optimizer steps); inside :meth:`bound`, the bound full
+        parameters under the user's module's names, as a replicated model's would be."""
+        if recurse and explicit_parameters_active(self.module):
+            inner = f"{prefix}.module" if prefix else "module"
+            return self.module.named_parameters(inner, recurse, remove_duplicate)
+        return super().named_parameters(prefix, recurse, remove_duplicate)
+
     def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
                            **kwargs: Any) -> Any:
-        known = {s.fqn: s for flat in self.flats for s in flat.slots}
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            raise ValueError(f"functional_forward got unknown parameter names {unknown}; "
-                             "use the names of model.full_parameters()")
+        self._check_names(params, "functional_forward")
         placed: list[tuple[Place, torch.Tensor]] = []
         frozen, fresh = [], []
         for flat in self.flats:
@@ -240,7 +274,7 @@ class ShardedModule(DistributedModule):
             placed.extend((place_of(module, attr), value)  # every value is given by now
                           for slot, value in zip(flat.slots, values, strict=True)
                           if value is not None for module, attr in slot.uses)
-        with Rebinding(placed):
+        with Rebinding(placed, self.module):
             out = self.run(self.module, args, kwargs)
         # Frozen parameters read here have no unit hooks: gathered again (if need be) when
         # the backward reaches the outputs and kept to its end; freed now if none will come.
@@ -333,7 +367,8 @@ class Zero3Strategy(Strategy):
                 reduce_dtype=self.reduce_dtype, scale=self.grad_scale,
                 coordinator=coordinator))
             for slot, p in zip(slots, originals, strict=True):
-                placeholder = torch.empty(slot.shape, dtype=p.dtype, device="meta")
+                placeholder = Placeholder(slot.fqn, slot.shape, p.dtype)
+                flats[-1].placeholders.append(placeholder)
                 for module, attr in slot.uses:
                     module._parameters.pop(attr, None)  # now a plain attribute, bound per forward
                     module.__dict__[attr] = placeholder  # until the unit is first gathered
@@ -345,7 +380,11 @@ class Zero3Strategy(Strategy):
             raise ValueError("setup_optimizer needs the module returned by this strategy")
         move_optimizer_state(optimizer)
         shard_optimizer(optimizer, FlatLayout(module.flats))
-        step_chain.building(optimizer).add("shards_changed", module.after_step)
+        chain = step_chain.building(optimizer)
+        skip = SkipUnreached(module.flats, optimizer)  # one process's grad=None, per parameter
+        chain.add("skip_unreached", skip.before_step)
+        chain.add("restore_unreached", skip.after_step)
+        chain.add("shards_changed", module.after_step)
         return optimizer
 
     @contextmanager

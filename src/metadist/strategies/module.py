@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from metadist.precision import Precision
-from metadist.strategies.bind import bind_parameters
+from metadist.strategies.bind import Rebinding, bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.placement import ModulePlacement, replicated_module
@@ -156,6 +156,15 @@ class DistributedModule(nn.Module):
         self.pre_forward()
         with bind_parameters(self.module, params):
             return self.run(self.module, args, kwargs)
+
+    def bound(self, params: Mapping[str, torch.Tensor]) -> Rebinding:
+        """A block within which the user's module holds ``params`` (names as in
+        :meth:`full_parameters`; buffers too) in place of its own, for every path that
+        reaches them: forwards, the module's methods and attributes, ``named_parameters()``,
+        ``state_dict()``, as an in-place change of a plain module's parameters would show;
+        restored on exit. The meta engine runs a problem's whole computation in one."""
+        self.wait_params()
+        return bind_parameters(self.module, params)
 
     def split_gradients(self) -> dict[torch.Tensor, Split]:
         """Parameters whose ``.grad`` on this rank is only a part of the gradient one process

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 
 from metadist.comm import ops
 from metadist.runtime.world import Group
+from metadist.strategies.own_state import Own, own_states
 from metadist.strategies.wrap import state_dict_key
 
 if TYPE_CHECKING:
@@ -170,6 +171,10 @@ class ModulePlacement:
     load: Callable[[Mapping[str, list[torch.Tensor]], Mapping[str, Any]], None]
     #: the user's module holds every parameter whole itself (not a strategy's flat shards)
     in_module: bool = True
+    #: to call with the names of parameters whose gradients are about to be added into the
+    #: stepped tensors outside a backward (zero3 records which parameters have a gradient,
+    #: strategies/unreached.py); nothing to do where every parameter is a tensor of its own
+    gradients_added: Callable[[Iterable[str]], None] = lambda names: None
     _by_name: dict[str, Placement] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -289,8 +294,16 @@ def flat_module(module: nn.Module, flats: Sequence[FlatParam],
                 values[key].copy_(value)
         after_load()  # drop gathered copies of the old parameters
 
+    def gradients_added(names: Iterable[str]) -> None:
+        given = set(names)
+        for flat in flats:
+            mask = [slot.fqn in given or state_dict_key(slot.fqn) in given
+                    for slot in flat.slots]
+            if flat.shard.requires_grad and any(mask):
+                flat.gradient_added(mask)
+
     return ModulePlacement(tuple(keys), aliases, tuple(tensors), values, non_persistent(module),
-                           load, in_module=False)
+                           load, in_module=False, gradients_added=gradients_added)
 
 
 # ----- optimizers ----------------------------------------------------------------------
@@ -305,6 +318,22 @@ class Stepped:
     params: tuple[Placement, ...]
     #: this rank writes the per-parameter values (step counts) of these parameters
     lead: bool
+    #: parameters (by name) whose state one process holds otherwise than this tensor's:
+    #: their own per-parameter values, or None for no state at all (zero3: parameters a
+    #: step skipped, strategies/unreached.py)
+    own: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+
+    def state_for(self, p: Placement, state: Mapping[str, Any]) -> dict[str, Any] | None:
+        """What one process's optimizer state holds for parameter ``p``, given this
+        tensor's ``state``: its per-element entries, per-parameter values (its own where
+        they differ), None if it holds none."""
+        if p.name not in self.own:
+            return dict(state)
+        own = self.own[p.name]
+        if own is None:
+            return None
+        return {**{k: v for k, v in state.items() if per_element(k, v, self.tensor.shape)},
+                **own}
 
 
 @dataclass(frozen=True, eq=False)
@@ -362,28 +391,39 @@ def flat_optimizer(flats: Sequence[FlatParam], original_groups: Sequence[Sequenc
             Placement(str(index[id(p)]), tuple(slot.shape), shard.dtype,
                       flat_part(shard, lo, slot.offset, slot.numel), writer)
             for slot, p in zip(flat.slots, flat.originals, strict=True))
-        out.append(Stepped(flat.shard, params, writer == "holder" and flat.rank == 0))
+        own = {params[i].name: value for i, value in flat.skipped.items()}
+        out.append(Stepped(flat.shard, params, writer == "holder" and flat.rank == 0, own))
     return OptimizerPlacement(tuple(shapes.get(id(p), tuple(p.shape)) for p in original),
                               tuple(len(g) for g in original_groups), tuple(out))
 
 
 def cut_state(stepped: Sequence[Stepped], full: Mapping[int, Mapping[str, Any]]
-              ) -> dict[torch.Tensor, dict[str, Any]]:
+              ) -> tuple[dict[torch.Tensor, dict[str, Any]], dict[torch.Tensor, Own]]:
     """This rank's state for the tensors it steps, cut from a full state by original index:
     per-element state pasted into a buffer laid out like the stepped tensor (zeros where a
-    parameter has none, and in padding); per-parameter values taken from the first
-    parameter that has them. A tensor that is one whole parameter takes its state as it is."""
+    parameter has none, and in padding); per-parameter values those most of its parameters
+    hold, and the others' own values (:func:`own_states`). A tensor that is one whole
+    parameter takes its state as it is."""
     out: dict[torch.Tensor, dict[str, Any]] = {}
+    owns: dict[torch.Tensor, Own] = {}
     for s in stepped:
         entries = [(p, full.get(int(p.name), {})) for p in s.params]
         if not any(e for _, e in entries):
             continue
         alone = len(s.params) == 1 and s.params[0].whole() is not None
         state: dict[str, Any] = {}
+        if not alone:
+            shared = sorted({k for p, e in entries for k, v in e.items()
+                             if not per_element(k, v, p.shape)})
+            state, owns[s.tensor] = own_states(
+                [(p.name, {k: e[k] for k in shared if k in e} if e else None)
+                 for p, e in entries], shared)
         for name in sorted({k for _, e in entries for k in e}):
             holders = [(p, e[name]) for p, e in entries if name in e]
-            if alone or not all(per_element(name, v, p.shape) for p, v in holders):
+            if alone:
                 state[name] = holders[0][1]
+                continue
+            if not all(per_element(name, v, p.shape) for p, v in holders):
                 continue
             buf = torch.zeros(s.tensor.numel(), dtype=holders[0][1].dtype,
                               device=s.tensor.device)
@@ -393,7 +433,7 @@ def cut_state(stepped: Sequence[Stepped], full: Mapping[int, Mapping[str, Any]]
                     paste(part.on(buf), flat[part.start:part.stop])
             state[name] = buf.view(s.tensor.shape)
         out[s.tensor] = state
-    return out
+    return out, owns
 
 
 def _writes(placement: Placement, rank: int) -> bool:
@@ -413,8 +453,9 @@ def gather_state(where: OptimizerPlacement, optimizer: Optimizer, to: int | None
         state = optimizer.state.get(s.tensor)
         if not state:
             continue
-        for name, value in state.items():
-            for p in s.params:
+        for p in s.params:
+            held_state = s.state_for(p, state)
+            for name, value in (held_state or {}).items():
                 if per_element(name, value, s.tensor.shape):
                     placed = p.on(value)
                     if placed.parts and _writes(placed, rank):

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from metadist.strategies.own_state import OWN, Own
 from metadist.strategies.placement import (
     OptimizerPlacement,
     cut_state,
@@ -55,10 +56,16 @@ class OptimizerLayout(ABC):
         """Where the state of each original parameter lives on this rank
         (strategies/placement.py); ``original_groups``: the user's param groups."""
 
-    def local_state(self, full: dict[int, ParamState],
-                    original: list[torch.Tensor]) -> dict[torch.Tensor, ParamState]:
-        """This rank's state for its tensors, cut from a full state by original index."""
+    def local_state(self, full: dict[int, ParamState], original: list[torch.Tensor]
+                    ) -> tuple[dict[torch.Tensor, ParamState], dict[torch.Tensor, Own]]:
+        """This rank's state for its tensors, cut from a full state by original index, and
+        the parameters whose own state differs from their tensor's."""
         return cut_state(self.placements([original]).stepped, full)
+
+    def set_own(self, own: dict[torch.Tensor, Own], original: list[torch.Tensor]) -> None:
+        """Take a loaded record of parameters whose state differs from their tensor's.
+        Whole parameters never differ from themselves: nothing to keep."""
+        return None
 
 
 @dataclass
@@ -118,7 +125,9 @@ def shard_optimizer(optimizer: Optimizer, layout: OptimizerLayout) -> Sharding:
         group["params"] = layout.local_params(params)
     optimizer.state = defaultdict(dict)
     if existing:  # the user stepped before setup: keep that state, cut to this rank
-        optimizer.state.update(layout.local_state(existing, original))
+        local, own = layout.local_state(existing, original)
+        optimizer.state.update(local)
+        layout.set_own(own, original)
     optimizer.register_state_dict_post_hook(_tag)
     optimizer.register_load_state_dict_pre_hook(_to_local)
     optimizer.metadist_sharding = sharding  # type: ignore[attr-defined]
@@ -163,12 +172,16 @@ def _to_local(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any
     sharding: Sharding = optimizer.metadist_sharding  # type: ignore[attr-defined]
     state_dict = dict(state_dict)
     tag = state_dict.pop(_TAG, None)
+    own_by_position = state_dict.pop(OWN, {})
     if tag is not None:
         if tag != sharding.layout.signature:
             raise ValueError(
                 "this optimizer state is a shard of another layout "
                 f"({tag!r}, here {sharding.layout.signature!r}); save it with "
                 "strategy.optimizer_state_dict(optimizer) (full) to load it elsewhere")
+        stepped = [t for g in optimizer.param_groups for t in g["params"]]
+        sharding.layout.set_own({stepped[j]: own for j, own in own_by_position.items()},
+                                sharding.original)
         return state_dict
     original = sharding.original
     groups = state_dict["param_groups"]
@@ -178,7 +191,8 @@ def _to_local(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any
                          f"{[len(g) for g in sharding.original_groups]})")
     position = {pid: i for i, pid in enumerate(pid for g in groups for pid in g["params"])}
     full = {position[pid]: entry for pid, entry in state_dict["state"].items()}
-    local = sharding.layout.local_state(full, original)
+    local, own = sharding.layout.local_state(full, original)
+    sharding.layout.set_own(own, original)
     index = {id(t): i for i, t in enumerate(t for g in optimizer.param_groups for t in g["params"])}
     return {"state": {index[id(t)]: entry for t, entry in local.items()},
             "param_groups": numbered_groups(groups, [len(g["params"])

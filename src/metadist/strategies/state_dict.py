@@ -112,6 +112,8 @@ class ShardedStateDict:
                 keep_vars: bool) -> None:
         new: dict[str, torch.Tensor] = {}
         for attr, flat, i in self.own[module]:
+            if attr in module._parameters:
+                continue  # bound explicitly (DistributedModule.bound): torch wrote it
             key = prefix + attr
             value = self._value(flat, i, keep_vars)
             if key in destination:

@@ -15,7 +15,10 @@ before ``step()``
 ``"wait_params"``         finish the parameter refresh still in flight (zero1/2 overlap)
 ``"unscale"``             unscale, check every rank for inf/NaN, drop the step's gradients
                           if any (16-mixed)
+``"skip_unreached"``      set aside what the step must not change of parameters no
+                          gradient reached (zero3, hsdp: strategies/unreached.py)
 after ``step()``
+``"restore_unreached"``   put it back
 ``"shards_changed"``      drop gathered copies of the old parameters (zero3, hsdp)
 ``"refresh_params"``      refresh every rank's parameters from their owners (zero1/2)
 ``"update_scale"``        grow or back off the loss scale (16-mixed)
@@ -35,8 +38,8 @@ from typing import Any, Literal, get_args
 
 from torch.optim import Optimizer
 
-PrePhase = Literal["sync_grads", "wait_params", "unscale"]
-PostPhase = Literal["shards_changed", "refresh_params", "update_scale"]
+PrePhase = Literal["sync_grads", "wait_params", "unscale", "skip_unreached"]
+PostPhase = Literal["restore_unreached", "shards_changed", "refresh_params", "update_scale"]
 Phase = PrePhase | PostPhase
 PRE: tuple[PrePhase, ...] = get_args(PrePhase)
 POST: tuple[PostPhase, ...] = get_args(PostPhase)

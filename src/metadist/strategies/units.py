@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from metadist.strategies.backward_holds import BackwardHolds
 from metadist.strategies.bind import place_of, write
 from metadist.strategies.flat import FlatParam
+from metadist.strategies.foreign_runs import Placeholder
 from metadist.strategies.unit_state import TRANSITIONS, UnitState, check_transition
 from metadist.strategies.wrap import UnitPlan
 
@@ -276,6 +277,9 @@ class Unit:
         self.schedule.holds.hold(self.frozen, recomputing=True)
         if torch.is_grad_enabled() and not self._grad:
             self._bind()
+        else:  # the original graph's views, where freeing the buffer put placeholders
+            write((place_of(module, attr), view) for (module, attr), view in self._bound.items()
+                  if isinstance(module.__dict__.get(attr), Placeholder))
 
     def post_forward(self, member: nn.Module, output: Any) -> None:
         """A member's forward returned (or raised): close the unit once the members the

@@ -7,7 +7,8 @@ own machinery are listed in :data:`NO_EFFECT` with the reason they need nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from metadist.compat.betty.hypergradient import BETTY_TYPES
 from metadist.precision import canonical as canonical_precision
@@ -81,7 +82,12 @@ class Config:
 @dataclass
 class EngineConfig:
     """The engine's configuration (Betty's ``betty.configs.EngineConfig``). ``strategy``
-    takes Betty's names ("default", "distributed", "zero", "fsdp") and metadist's."""
+    takes Betty's names ("default", "distributed", "zero", "fsdp") and metadist's.
+
+    One field Betty does not have: ``strategy_options``, metadist's options of the strategy
+    (e.g. ``{"sync_batchnorm": True}``, BatchNorm statistics over the global batch, which
+    makes N ranks equal one process; ``{"min_unit_params": ...}`` for "fsdp"). It is the
+    one line to add to a Betty program for them; everything else stays Betty's API."""
 
     train_iters: int = 50000
     valid_step: int = 500
@@ -93,6 +99,7 @@ class EngineConfig:
     early_stopping_mode: str = "min"
     early_stopping_tolerance: int = 5
     early_stopping_metric: str = "loss"
+    strategy_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if canonical_strategy(self.strategy) not in available():

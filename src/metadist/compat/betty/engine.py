@@ -18,8 +18,11 @@ one process computes; validation and early stopping decide on rank 0 and every r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from torch import nn
 
 from metadist.compat.betty.configs import EngineConfig
 from metadist.compat.betty.hypergradient import upper_gradient
@@ -30,15 +33,17 @@ from metadist.meta.config import EarlyStopping
 from metadist.meta.config import EngineConfig as NativeConfig
 from metadist.meta.engine import Engine as NativeEngine
 
+_warned_batchnorm = False  # the warning below is said once per process
+
 
 def _native(config: EngineConfig) -> NativeConfig:
     stopping = (EarlyStopping(metric=config.early_stopping_metric,
                               mode=config.early_stopping_mode,
                               patience=config.early_stopping_tolerance)
                 if config.early_stopping else None)
-    return NativeConfig(strategy=config.strategy, train_iters=config.train_iters,
-                        valid_step=config.valid_step, early_stopping=stopping,
-                        logger_type="none", log_step=0)
+    return NativeConfig(strategy=config.strategy, strategy_options=dict(config.strategy_options),
+                        train_iters=config.train_iters, valid_step=config.valid_step,
+                        early_stopping=stopping, logger_type="none", log_step=0)
 
 
 class Engine(NativeEngine):
@@ -54,8 +59,7 @@ class Engine(NativeEngine):
         self._roll_back = self.betty_config.roll_back
         betty_logger = make_logger(self.betty_config.logger_type)
         self._link(list(problems))
-        for p in problems:
-            p.initialize()
+        # each problem is initialised and set up in turn (_set_up), as Betty does
         super().__init__(list(problems), _native(self.betty_config), self.dependencies)
         self.logger = betty_logger  # Betty's: log(stats, tag, step) and info/warning
         self.device = self.world.device
@@ -74,6 +78,34 @@ class Engine(NativeEngine):
             for p in problems:
                 p.add_env(env)
         self._check_methods(list(problems))
+        self._warn_unsynchronised_batchnorm()
+
+    def _warn_unsynchronised_batchnorm(self) -> None:
+        """BatchNorm on N ranks without sync_batchnorm normalises each rank's share of the
+        batch: other statistics than one process's, and ranks whose running statistics
+        differ. Said once, on rank 0, with the option that makes it exact."""
+        global _warned_batchnorm
+        if (self.world.world_size == 1 or self.world.rank != 0 or _warned_batchnorm
+                or self.config.strategy_options.get("sync_batchnorm")):
+            return
+        with_bn = [p.name for p in self.problems.values()
+                   if any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                          for m in p.wrapped.module.modules())]
+        if with_bn:
+            _warned_batchnorm = True
+            warnings.warn(
+                f"problem(s) {', '.join(with_bn)} have BatchNorm layers and run on "
+                f"{self.world.world_size} ranks: each rank normalises its own share of the "
+                "batch, so the result differs from one process and the ranks' running "
+                "statistics differ. Pass EngineConfig(..., strategy_options={"
+                "'sync_batchnorm': True}) for statistics over the global batch", stacklevel=3)
+
+    def _set_up(self, p: Any, replica: bool) -> None:
+        """Betty's order, problem by problem: its data loaders, module, optimizer and
+        scheduler from the configure_* hooks, then the setup, then its data iterators: a
+        seeded program draws the same initial weights and batches as under Betty."""
+        p.initialize()
+        super()._set_up(p, replica)
 
     # ----- the graph, with Betty's method names --------------------------------------------------
     def _link(self, problems: list[Problem]) -> None:

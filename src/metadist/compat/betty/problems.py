@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 def _betty_optimizer(problem: Problem, optimizer: Optimizer, module: nn.Module) -> Optimizer:
     """Betty steps ``type(optimizer)(params, **optimizer.defaults)`` with params its
     ``param_groups()`` hook or all of the module's parameters. The user's object is kept
-    when it already is exactly that (its schedulers stay bound); otherwise it is rebuilt."""
+    when it already is exactly that; otherwise it is rebuilt (and its scheduler with it,
+    :func:`_betty_scheduler`), as Betty does."""
     hook = getattr(problem, "param_groups", None)
     groups = list(hook()) if callable(hook) else [{"params": list(module.parameters())}]
     groups = [g if isinstance(g, dict) else {"params": [g]} for g in groups]
@@ -43,16 +44,37 @@ def _betty_optimizer(problem: Problem, optimizer: Optimizer, module: nn.Module) 
         for h, w in zip(have, wanted, strict=True))
     if same:
         return optimizer
-    if problem._scheduler_given is not None:
-        raise ValueError(f"problem {problem._betty_name!r}: Betty rebuilds the optimizer from "
-                         "its defaults over the module's parameters (or param_groups()), "
-                         "which would leave the given scheduler on the old object; build the "
-                         "optimizer on module.parameters() with its settings as defaults")
     # Only what the constructor takes (torch's AdamW keeps "decoupled_weight_decay" in its
     # defaults but does not accept it: Betty 0.2.1 fails there).
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
                                       if k in accepted})
+
+
+def _betty_scheduler(problem: Problem, scheduler: Any, optimizer: Optimizer) -> Any:
+    """Betty's rebuild of a scheduler on the rebuilt optimizer: its constructor called with
+    the arguments read back from the scheduler's attributes, ``last_epoch`` one less (the
+    constructor steps once), LambdaLR's functions from ``lr_lambdas``."""
+    kwargs: dict[str, Any] = {}
+    for name, param in inspect.signature(type(scheduler).__init__).parameters.items():
+        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name == "optimizer":
+            kwargs[name] = optimizer
+        elif name == "last_epoch":
+            kwargs[name] = scheduler.last_epoch - 1
+        elif name == "lr_lambda":
+            kwargs[name] = scheduler.lr_lambdas
+        elif hasattr(scheduler, name):
+            kwargs[name] = getattr(scheduler, name)
+        elif param.default is param.empty:
+            raise ValueError(
+                f"problem {problem._betty_name!r}: Betty rebuilds the optimizer from its "
+                "defaults (over param_groups() or the module's parameters) and the scheduler "
+                f"from its attributes, but {type(scheduler).__name__} keeps no attribute "
+                f"{name!r} to rebuild it with; build the optimizer with its settings as "
+                "defaults over the parameters Betty steps, so that nothing is rebuilt")
+    return type(scheduler)(**kwargs)
 
 
 class Problem(NativeProblem):
@@ -115,7 +137,10 @@ class Problem(NativeProblem):
         scheduler = self._scheduler_given
         if scheduler is None and self.is_implemented("configure_scheduler"):
             scheduler = self.configure_scheduler()
-        optimizer = _betty_optimizer(self, optimizer, module)
+        rebuilt = _betty_optimizer(self, optimizer, module)
+        if rebuilt is not optimizer and scheduler is not None:
+            scheduler = _betty_scheduler(self, scheduler, rebuilt)
+        optimizer = rebuilt
         NativeProblem.__init__(self, self._betty_name, module, optimizer, scheduler, None,
                                cast(ProblemConfig, self._betty_config))
         self.ready = [False] * len(self._children)
@@ -123,7 +148,9 @@ class Problem(NativeProblem):
     def attach(self, engine: NativeEngine, strategy: Strategy, seed: int) -> None:
         super().attach(engine, strategy, seed)
         self.device = strategy.device
-        self._loaders = [strategy.setup_dataloader(x, seed=seed) if isinstance(x, DataLoader)
+        # seed=None: each epoch's order from the global random state, drawn when Betty's
+        # (torch's) loader draws it; the iterators are made now, as Betty makes them
+        self._loaders = [strategy.setup_dataloader(x, seed=None) if isinstance(x, DataLoader)
                          else x for x in self._loaders]
         self._iterators = [iter(x) for x in self._loaders]
         self.epoch_counter = [0] * len(self._loaders)
@@ -284,6 +311,7 @@ class Problem(NativeProblem):
     def set_grads(self, params: Iterable[Tensor], grads: Iterable[Tensor | None]) -> None:
         for p, g in zip(params, grads, strict=False):
             if g is not None:
+                self.gradient_arrives(p)
                 p.grad = g if p.grad is None else p.grad + g
 
     def zero_grad(self) -> None:

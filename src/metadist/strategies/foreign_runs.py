@@ -1,0 +1,132 @@
+"""zero3/hsdp: a set-up model run on tensors other than its own, by a path metadist cannot see.
+
+Under zero3/hsdp the model's parameters are this rank's flat shards, and every forward
+gathers all ranks' shards. A per-rank copy of the parameters (the fast weights of an inner
+loop) therefore cannot be run by the paths that work under ddp: a clone whose parameters were
+cloned into the graph (learn2learn's ``MAML.clone()``), a patched copy of the module class
+(higher's ``innerloop_ctx``), ``torch.func.functional_call`` with the shards swapped, a deep
+copy. Each is recognised where it first runs (the model's forward) and refused before any
+value is computed, naming the path taken, the library on the stack, and the portable form.
+
+Between its units' forwards the user's module holds no parameter values at all: each
+parameter attribute holds a :class:`Placeholder` (shape and dtype, no data), and any
+computation on one (a method of the module reading ``self.lin.weight`` outside the forward)
+stops with an error naming the parameter and what to read instead.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+
+#: libraries whose meta-learning idioms reach a model by such paths, and by which calls
+_LIBRARIES = {
+    "learn2learn": "learn2learn's MAML.clone() / clone_module",
+    "higher": "higher's innerloop_ctx / monkeypatch",
+    "torchopt": "TorchOpt's module tools",
+}
+
+
+class Origin:
+    """What a set-up model is at setup, to tell it later from a copy or a patched class."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.id, self.type = id(model), type(model)
+
+
+def refuse_foreign_run(model: nn.Module, origin: Origin, swapped: list[str]) -> None:
+    """Raise if ``model`` (about to run its forward) is not the set-up model itself on its
+    own shards: ``swapped`` names the shards replaced by other tensors."""
+    if id(model) == origin.id and type(model) is origin.type and not swapped:
+        return
+    library = _library_on_stack()
+    if type(model) is not origin.type:
+        how, by = "a patched subclass of the set-up model", type(model).__module__
+    elif id(model) != origin.id:
+        shards: Any = model.shards
+        cloned = any(p.grad_fn is not None for p in shards.parameters())
+        how = ("a copy of the set-up model whose parameters were cloned into the graph"
+               if cloned else "a copy of the set-up model")
+        by = "copy.copy or copy.deepcopy"
+    else:
+        names = ", ".join("shards." + n for n in swapped[:3]) + (" ..." * (len(swapped) > 3))
+        how = f"the set-up model with its parameters ({names}) replaced by other tensors"
+        by = "torch.func.functional_call"
+    if library is not None:
+        by = f"{_LIBRARIES[library]} (which runs as it is under ddp, zero1 and zero2)"
+    raise RuntimeError(
+        f"zero3/fsdp/hsdp: this forward runs {how}, made by {by}. Here the model's "
+        "parameters are this rank's flat shards and every forward gathers all ranks' "
+        "shards, so a per-rank copy of them (an inner loop's fast weights) cannot be run "
+        "this way. Write the inner loop in the portable form, the same under every "
+        "strategy: fast = model.full_parameters(); loss = loss_fn(model.functional_forward("
+        "fast, x), y); grads = torch.autograd.grad(loss, list(fast.values()), "
+        "create_graph=True); fast = {n: p - lr * g for (n, p), g in zip(fast.items(), "
+        "grads)}. Or clone with metadist.meta.module_clone(model, by='copy') and step the "
+        "clone with metadist.meta.MetaSGD(clone, lr). torch.func.functional_call works "
+        "with full parameters under the model's names: {'module.' + n: p for n, p in "
+        "fast.items()}")
+
+
+def refuse_deepcopy(model: nn.Module) -> None:
+    raise TypeError(
+        f"copy.deepcopy of a zero3/fsdp/hsdp model ({type(model).__name__}) would copy this "
+        "rank's flat shards and the strategy's machinery, not your module: for a plain "
+        "copy of your module with its full parameters use "
+        "metadist.meta.module_clone(model, by='deepcopy') (collective), or save and load "
+        "model.state_dict() (collective) into a new instance of your module")
+
+
+def _library_on_stack() -> str | None:
+    """The first known library among the callers (its top-level package name)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        top = str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
+        if top in _LIBRARIES:
+            return top
+        frame = frame.f_back
+    return None
+
+
+#: what a placeholder answers without data (its description), by function or property name
+_DESCRIBES = frozenset({
+    "shape", "dtype", "device", "is_meta", "size", "dim", "ndim", "numel", "requires_grad",
+    "is_leaf", "grad_fn", "grad", "layout", "is_floating_point", "is_complex", "element_size",
+    "_version", "__repr__", "__format__", "__hash__", "__eq__", "__len__", "is_cuda",
+    "is_sparse", "itemsize", "nbytes", "names", "_is_view", "untyped_storage"})
+
+
+class Placeholder(torch.Tensor):
+    """A zero3/hsdp parameter attribute between forwards: a meta tensor that describes the
+    parameter, and refuses any computation with an error that names it."""
+
+    fqn: str
+
+    @staticmethod
+    def __new__(cls, fqn: str, shape: torch.Size, dtype: torch.dtype) -> Placeholder:
+        out = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        out.fqn = fqn
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", str(func))
+        if name in ("__get__", "__set__"):  # a property: by the property's name
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name in _DESCRIBES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        held = next((a for a in args if isinstance(a, Placeholder)), None)
+        fqn = held.fqn if held is not None else "a parameter"
+        raise RuntimeError(
+            f"{fqn!r} of the set-up model has no values here ({name} read it): under "
+            "zero3/fsdp/hsdp parameters are sharded across ranks and gathered only while "
+            "the module holding them runs its forward. Compute with it inside that "
+            f"forward, or read model.full_parameters()[{fqn!r}] (collective, "
+            "differentiable into the shards); inside a metadist.meta engine every path "
+            "sees the full parameters")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +53,30 @@ def run_on(world_size: int, fn: Callable[..., Any], args: Sequence[Any] = ()) ->
     """One job on a pool of its own."""
     with pool(world_size) as run:
         return run(fn, *args)
+
+
+class Reopening:
+    """A peers pool of ``world_size`` ranks for a whole test module: opened on first use and
+    reopened after a job that failed (a failed job closes its pool); :meth:`close` at the
+    end."""
+
+    def __init__(self, world_size: int, timeout: float = 300.0, nnodes: int = 1) -> None:
+        self.world_size, self.timeout, self.nnodes = world_size, timeout, nnodes
+        self._stack: ExitStack | None = None
+        self._run: Callable[..., list[Any]] | None = None
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if self._run is None:
+            self._stack = ExitStack()
+            self._run = self._stack.enter_context(
+                pool(self.world_size, self.timeout, nnodes=self.nnodes))
+        try:
+            return self._run(fn, *args)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+        self._stack, self._run = None, None

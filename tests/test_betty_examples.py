@@ -24,7 +24,6 @@ import logging
 import math
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -104,34 +103,10 @@ def _compat_on_ranks(port: str, strategy: str) -> dict[str, Any]:
 
 # ----- pools and comparisons ---------------------------------------------------------------
 
-class _Pool:
-    """A peers pool of ``world`` ranks, opened on first use, reopened after a failed job."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self._stack: ExitStack | None = None
-        self._run: Callable[..., list[Any]] | None = None
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        if self._run is None:
-            self._stack = ExitStack()
-            self._run = self._stack.enter_context(peers.pool(self.world, JOB_TIMEOUT))
-        try:
-            return self._run(fn, *args)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self._stack is not None:
-            self._stack.close()
-        self._stack, self._run = None, None
-
-
 @pytest.fixture(scope="module")
 def one_process() -> Iterator[Callable[[str], dict[str, dict[str, Any]]]]:
     """port -> {"betty": result, "compat": result}, each port run once per module."""
-    pool, done = _Pool(1), {}
+    pool, done = peers.Reopening(1, JOB_TIMEOUT), {}
 
     def get(port: str) -> dict[str, dict[str, Any]]:
         if port not in done:
@@ -145,8 +120,8 @@ def one_process() -> Iterator[Callable[[str], dict[str, dict[str, Any]]]]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> Iterator[_Pool]:
-    pool = _Pool(2)
+def two_ranks() -> Iterator[peers.Reopening]:
+    pool = peers.Reopening(2, JOB_TIMEOUT)
     try:
         yield pool
     finally:
@@ -266,8 +241,8 @@ def test_port_equals_betty(one_process: Callable[[str], dict[str, dict[str, Any]
 @pytest.mark.parametrize("strategy", ["distributed", "zero"])
 @pytest.mark.parametrize("port", PORTS)
 def test_port_on_two_ranks_equals_one_process(
-        one_process: Callable[[str], dict[str, dict[str, Any]]], two_ranks: _Pool, port: str,
-        strategy: str) -> None:
+        one_process: Callable[[str], dict[str, dict[str, Any]]], two_ranks: peers.Reopening,
+        port: str, strategy: str) -> None:
     """2 ranks, each reading its half of every global batch (per-rank batch sizes halved),
     end where one process ends: initial and final parameters and BatchNorm statistics,
     counts, learning rates; every rank bit-identical."""

@@ -25,7 +25,6 @@ import multiprocessing
 import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -182,40 +181,14 @@ def references() -> dict[str, Params]:
 
 # ----- pools and expectations -------------------------------------------------------------------
 
-class _Ranks:
-    """The peer pool of one world layout, opened on first use and reopened after a job that
-    failed (a failed job closes its pool)."""
-
-    def __init__(self, world: int, nnodes: int) -> None:
-        self.world, self.nnodes = world, nnodes
-        self._stack: ExitStack | None = None
-        self._run: Callable[..., list[Any]] | None = None
-
-    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        if self._run is None:
-            self._stack = ExitStack()
-            self._run = self._stack.enter_context(
-                peers.pool(self.world, JOB_TIMEOUT, nnodes=self.nnodes))
-        try:
-            return self._run(fn, *args)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self._stack is not None:
-            self._stack.close()
-        self._stack, self._run = None, None
-
-
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[Callable[[str], _Ranks]]:
-    pools: dict[tuple[int, int], _Ranks] = {}
+def ranks() -> Iterator[Callable[[str], peers.Reopening]]:
+    pools: dict[tuple[int, int], peers.Reopening] = {}
 
-    def get(strategy: str) -> _Ranks:
+    def get(strategy: str) -> peers.Reopening:
         layout = LAYOUT[strategy]
         if layout not in pools:
-            pools[layout] = _Ranks(*layout)
+            pools[layout] = peers.Reopening(layout[0], JOB_TIMEOUT, nnodes=layout[1])
         return pools[layout]
 
     try:
@@ -250,8 +223,8 @@ BODY: dict[str, Callable[[str, str], Params]] = {"learn2learn": l2l_on_rank,
 
 @pytest.mark.parametrize(("library", "backward", "strategy"), CASES)
 def test_peer_maml_equals_one_process_or_raises_a_clear_error(
-        ranks: Callable[[str], _Ranks], want: dict[str, Params], library: str, backward: str,
-        strategy: str) -> None:
+        ranks: Callable[[str], peers.Reopening], want: dict[str, Params], library: str,
+        backward: str, strategy: str) -> None:
     where = f"{library} ({backward}) under {strategy}"
     job = (BODY[library], strategy, backward)
     if strategy in RAISES:

@@ -40,6 +40,10 @@ class Host:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
 
+    def link_down(self) -> None:
+        """Cut this host's end of the link (a network partition; nothing is closed)."""
+        _must("-n", self.netns, "link", "set", IFNAME, "down")
+
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30,

@@ -306,8 +306,13 @@ def test_missing_ranks_are_named_compactly() -> None:
     assert "rank 4 did not arrive and published no progress" in text
     assert "rank 5 entered barrier as #5 instead" in text
     assert compact_ranks([7, 0, 1, 2, 4, 5]) == "0-2, 4, 5, 7"
-    text, _ = explain(entry, None, 0, Progress(None, "127.0.0.1:1"))
-    assert "unknown" in text and "127.0.0.1:1" in text
+    text, stuck = explain(entry, None, 0, Progress(None, "127.0.0.1:1"))
+    assert "lost the store at 127.0.0.1:1" in text and "cannot be asked" in text
+    assert stuck == ()
+    # the store's host is rank 3: it is the one this rank waits for
+    text, stuck = explain(entry, None, 0, Progress(None, "127.0.0.1:1", host_rank=3))
+    assert "rank 3 did not arrive and cannot be asked: the store its process hosts" in text
+    assert stuck == (3,)
 
 
 def _failure(code: int, message: object, timestamp: int = 100) -> SimpleNamespace:

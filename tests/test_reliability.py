@@ -47,6 +47,27 @@ def test_a_stopped_rank_is_named_with_how_far_it_got() -> None:
     assert "no collective on this group seen from it" not in text
 
 
+def _stop_rank_zero_after_5() -> None:
+    x = torch.ones(1)
+    for i in range(30):
+        if i == 5 and metadist.world().rank == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)  # rank 0's process hosts the store
+        comm.all_reduce(x)
+
+
+def test_a_stopped_rank_zero_is_named_though_its_store_cannot_answer() -> None:
+    # Observed before: the other ranks' watchdog waited forever on the store rank 0 hosts,
+    # and the job hung with no message.
+    with pytest.raises(metadist.RankFailedError) as info:
+        metadist.launch(_stop_rank_zero_after_5, 2, timeout=120, collective_timeout=3)
+    text = str(info.value)
+    assert info.value.rank == 0 and info.value.hung == (0,)
+    assert "all_reduce #6 on the world group did not complete within 3 s on rank 1" in text
+    assert "rank 0 did not arrive and cannot be asked" in text
+    assert "still accepts connections but does not answer" in text
+    assert "it was stopped itself (SIGSTOP, a debugger) and could not report" in text
+
+
 def _rank_one_never_arrives() -> None:
     x = torch.ones(1)
     comm.all_reduce(x)

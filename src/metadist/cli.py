@@ -100,14 +100,18 @@ def _run(ns: argparse.Namespace) -> int:
         # Run the user's script through our entry so a failing worker records its traceback
         # and the launcher can show it.
         argv += ["-m", "metadist.runtime.entry", ns.script, *ns.script_args]
-        try:
-            torchrun.run(torchrun.parse_args(argv))
-        except ChildFailedError as err:
-            from metadist.runtime.failures import summarize_run_failure
+        from metadist.runtime.teardown import bounded_teardown
 
-            # The origin rank once, the ranks that failed as a consequence in one line each.
-            print(summarize_run_failure(err, ns.script), file=sys.stderr)
-            return 1
+        with bounded_teardown() as killed:
+            try:
+                torchrun.run(torchrun.parse_args(argv))
+            except ChildFailedError as err:
+                from metadist.runtime.failures import summarize_run_failure
+
+                # The origin rank once, the ranks that failed as a consequence in one line
+                # each (those the launcher had to kill said to be).
+                print(summarize_run_failure(err, ns.script, killed), file=sys.stderr)
+                return 1
     return 0
 
 

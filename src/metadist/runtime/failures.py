@@ -16,7 +16,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,8 +123,15 @@ ABORTED = ("no Python traceback: the process aborted in native code (a failed ch
             "compares every collective's shapes across ranks before running it")
 
 
-def _read(rank: int, failure: Any) -> _Failed:
+def _read(rank: int, failure: Any, killed: Collection[int] = ()) -> _Failed:
     code = int(failure.exitcode)
+    if getattr(failure, "pid", None) in killed:
+        from metadist.runtime.teardown import GRACE_S
+
+        return _Failed(rank, "killed by the launcher: SIGKILL",
+                       f"stopped by the launcher: it did not end within {GRACE_S:g} s of "
+                       "SIGTERM after another rank failed (a stopped or hung process ignores "
+                       "SIGTERM)", "", True, False, float(failure.timestamp))
     if code == -signal.SIGABRT:
         how = "aborted itself: signal SIGABRT"
     elif code < 0:
@@ -157,12 +164,12 @@ def _read(rank: int, failure: Any) -> _Failed:
     return _Failed(rank, how, text, "", stopped, False, float(failure.timestamp))
 
 
-def summarize_run_failure(err: Any, script: str) -> str:
+def summarize_run_failure(err: Any, script: str, killed: Collection[int] = ()) -> str:
     """One report for torch elastic's ``ChildFailedError``: the origin rank (its traceback was
     printed once above, or is shown here), then one line per other failed rank. For a
     collective timeout the origin is the rank(s) that did not arrive, named in the reporting
     rank's error file (``stuck``), and the reporter follows as "reported the timeout"."""
-    rows = [_read(int(rank), failure) for rank, failure in err.failures.items()]
+    rows = [_read(int(rank), failure, killed) for rank, failure in err.failures.items()]
     primary = [r for r in rows if not r.secondary] or rows
     origin = min(primary, key=lambda r: (not r.printed, r.when, r.rank))
     lines = [f"metadist run: {script} failed"]

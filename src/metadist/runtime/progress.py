@@ -13,8 +13,9 @@ Keys, under a per-job prefix:
                       program without an error), after publishing its last collectives.
 
 Only non-blocking store operations are used (set, check, compare_set, get of a key known to
-exist) and the client has its own short timeout, so a dead or hung store costs that timeout
-once: after the first error the store is treated as gone.
+exist), each waited for at most a few seconds (runtime/bounded_store.py: a stopped, frozen
+or unreachable store process does not answer at all), so a lost store costs that once:
+after the first error the store is treated as gone, and why is kept for the reports.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
+from metadist.runtime.bounded_store import BoundedStore, StoreLostError
 from metadist.runtime.tracker import CollectiveCall, compact_ranks
 
 T = TypeVar("T")
@@ -45,9 +47,13 @@ class AbortRecord:
 class Progress:
     """The store operations of the watchdog protocol, each failing soft."""
 
-    def __init__(self, store: Any | None, where: str) -> None:
-        self._store = store
+    def __init__(self, store: Any | None, where: str, host: str | None = None,
+                 port: int | None = None, host_rank: int | None = None) -> None:
+        self._store = None if store is None else BoundedStore(store, host, port)
         self.where = where  # "host:port", for messages
+        #: the rank whose process hosts the store (0 under metadist run, launch, mpirun and
+        #: srun), None when another process does (torch's agent): a lost store names it
+        self.host_rank = host_rank
         self.error: str | None = None if store is not None else "no store is available"
         self._lock = threading.Lock()
 
@@ -59,10 +65,10 @@ class Progress:
         if self._store is None or self.error is not None:
             return default
         try:
-            return fn(self._store)
-        except Exception as exc:  # a dead store: remember why, stop asking
+            return self._store.call(fn)
+        except StoreLostError as exc:  # a lost store: remember why, stop asking
             with self._lock:
-                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.error = str(exc)
             return default
 
     def publish(self, group: str, rank: int, seq: int, op: str) -> None:
@@ -135,7 +141,10 @@ def _unpublished(entry: CollectiveCall, me: int, count: int) -> str:
                f"on it before this one completed on rank {me})" if entry.seq > 1
                else "this is the group's first collective")
     return (f"{it} {was} probably stopped (SIGSTOP, a debugger), frozen (swapping, native code "
-            f"holding the GIL) or dead (see {'its' if count == 1 else 'their'} output); {reached}")
+            f"holding the GIL), dead (see {'its' if count == 1 else 'their'} output), or cut off "
+            f"from this rank and the store by the network (a partition: then "
+            f"{'its' if count == 1 else 'their'} own report names the store as unreachable); "
+            f"{reached}")
 
 
 def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | None, me: int,
@@ -143,9 +152,12 @@ def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | N
     """Which ranks did not arrive at ``entry`` (or entered something else instead), in words,
     and the missing ranks."""
     if states is None:
-        return (f"which ranks did not arrive is unknown: the store at {progress.where} could "
-                f"not be read ({progress.error}; under metadist.launch, mpirun or srun rank 0 "
-                "hosts it, so rank 0 has probably exited)"), ()
+        host = progress.host_rank
+        if host is not None and host != me and host in entry.group.ranks:
+            return (f"rank {host} did not arrive and cannot be asked: the store its process "
+                    f"hosts at {progress.where} is lost ({progress.error})"), (host,)
+        return (f"this rank lost the store at {progress.where} ({progress.error}), so which "
+                "ranks did not arrive cannot be asked"), ()
     behind: dict[tuple[int, str] | None, list[int]] = {}
     diverged: dict[str, list[int]] = {}
     gone = progress.left(entry.group.ranks)

@@ -193,7 +193,8 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
     form_group(lambda: dist.init_process_group(store=pg_store, rank=detected.rank,
                                                world_size=detected.world_size, **kwargs),
                timeout, failure)  # the start-up limit: the group's own is only a backstop
-    return Progress(_watch_client(detected, prefix), where)
+    return Progress(_watch_client(detected, prefix), where, detected.master_addr,
+                    detected.master_port, host_rank=None if detected.use_env_init else 0)
 
 
 def _watch_client(detected: launch_env.LaunchEnv, prefix: str) -> Any | None:

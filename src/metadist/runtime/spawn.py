@@ -39,11 +39,21 @@ _GRACE_S = 1.0
 _ORIGIN_WAIT_S = 3.0
 # After a timeout, how long to wait for the report of a rank that did not arrive: its watchdog
 # sees the abort on its next tick and waits for the reporter (at most ~6 s) before it reports
-# and exits, and its exit ends the wait at once. Only a rank that cannot run (SIGSTOP) uses it.
+# and exits, and its exit ends the wait at once. A rank that cannot run (stopped: SIGSTOP, a
+# debugger) is not waited for at all.
 _HUNG_WAIT_S = 10.0
 # How long a stuck rank's dump thread may take to write its stacks (a loaded machine can be
 # slow to schedule it; a rank that answers ends the wait at once).
 _DUMP_WAIT_S = 20.0
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it cannot report."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def free_port() -> int:
@@ -281,7 +291,8 @@ class RankPool:
             if failed:
                 origin_known = any(not _is_secondary(m) for _, m in failed)
                 absent = {r for _, m in failed for r in _stuck(m)}
-                wait_s = (_HUNG_WAIT_S if absent & pending else _GRACE_S if origin_known
+                awaited = {r for r in absent & pending if not _is_stopped(self._procs[r].pid)}
+                wait_s = (_HUNG_WAIT_S if awaited else _GRACE_S if origin_known
                           else _ORIGIN_WAIT_S)
                 limit = min(deadline, first_failure + wait_s)
             waitables: list[Any] = [self._conns[r] for r in pending]
@@ -302,6 +313,7 @@ class RankPool:
                     failed.append((rank, message))
                     first_failure = first_failure or time.monotonic()
         if failed:
+            stopped = {r for r in pending if _is_stopped(self._procs[r].pid)}
             self.close(force=True)
             # The origin is the first failure that is not a consequence of another one.
             rank, (_, exc_type, text, tb, *extra) = next(
@@ -309,8 +321,11 @@ class RankPool:
             others = {r: failures.one_line(m[1], m[2]) for r, m in failed if r != rank}
             # Ranks that had not reported when the grace period ended are stopped here: most
             # likely blocked in a collective with the origin. They are listed all the same.
-            others.update({r: f"stopped by launch() after rank {rank} failed (it had not "
-                              "finished; most likely it was waiting for it in a collective)"
+            others.update({r: f"stopped by launch() after rank {rank} failed ("
+                              + ("it was stopped itself (SIGSTOP, a debugger) and could not "
+                                 "report)" if r in stopped else
+                                 "it had not finished; most likely it was waiting for it in a "
+                                 "collective)")
                            for r in pending})
             # A timeout's origin is the rank(s) that did not arrive, not the one that waited;
             # one that finished meanwhile never made the call.

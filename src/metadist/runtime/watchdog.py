@@ -217,7 +217,8 @@ class Watchdog:
             self._follow(standing, waiting)  # another rank reports; _follow exits
             return
         self.publish(force=True)
-        time.sleep(min(3.0, 3 * self.config.tick + 0.1))  # the others publish on their tick
+        if self.progress.available:  # the others publish on their tick
+            time.sleep(min(3.0, 3 * self.config.tick + 0.1))
         states = self.progress.read(entry.group.name, entry.group.ranks)
         text, stuck = explain(entry, states, self.rank, self.progress)
         self.progress.mark_reported()

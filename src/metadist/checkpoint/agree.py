@@ -7,6 +7,7 @@ rank's outcome in one collective, and all raise the same exception, naming the o
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from metadist.checkpoint.errors import ERRORS, CheckpointError
@@ -20,13 +21,21 @@ def failure(exc: BaseException) -> Failure:
     """``exc`` in a picklable form; errors other than checkpoint errors keep their type name."""
     if isinstance(exc, CheckpointError):
         return type(exc).__name__, str(exc)
-    return CheckpointError.__name__, f"{type(exc).__name__}: {exc}"
+    hint = ""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        hint = (": the file system is full (or the quota used up); free space there or save "
+                "to another directory")
+    return CheckpointError.__name__, f"{type(exc).__name__}: {exc}{hint}"
 
 
 def to_exception(fail: Failure, rank: int, world_size: int, action: str) -> CheckpointError:
+    """The error every rank raises for rank ``rank``'s failure: on the other ranks it is a
+    consequence (secondary), so launchers name ``rank`` as the origin."""
     cls = ERRORS.get(fail[0], CheckpointError)
     where = f" on rank {rank}" if world_size > 1 else ""
-    return cls(f"{action} failed{where}: {fail[1]}")
+    err = cls(f"{action} failed{where}: {fail[1]}")
+    err.secondary = world_size > 1 and ops.group_info(None)[2] != rank
+    return err
 
 
 def agree(mine: Failure | None, action: str, payload: Any = None) -> list[Any]:

@@ -47,6 +47,9 @@ class _Sealer:
 
     def __init__(self, out: IO[bytes]) -> None:
         self.out, self.hash, self.tail = out, hashlib.sha256(), b""
+        #: the file system's error, which torch's archive writer (C++) would report only as
+        #: "unexpected pos" (a full disk, a quota)
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -64,7 +67,11 @@ class _Sealer:
     def _emit(self, data: bytes | memoryview) -> None:
         if len(data):
             self.hash.update(data)
-            self.out.write(data)
+            try:
+                self.out.write(data)
+            except OSError as err:
+                self.error = self.error or err
+                raise
 
     def flush(self) -> None:
         self.out.flush()
@@ -80,7 +87,12 @@ class _Sealer:
 def write_sealed_zip(out: IO[bytes], save: Callable[[IO[bytes]], object]) -> None:
     """Run ``save(stream)`` (a ``torch.save``) into ``out``, digesting it on the way."""
     sealer = _Sealer(out)
-    save(sealer)  # type: ignore[arg-type]  # write() and flush() are all torch uses
+    try:
+        save(sealer)  # type: ignore[arg-type]  # write() and flush() are all torch uses
+    except Exception as exc:
+        if sealer.error is not None:  # what the file system said, not torch's "unexpected pos"
+            raise sealer.error from exc
+        raise
     sealer.close()
 
 

@@ -229,6 +229,16 @@ def test_two_processes_claiming_one_rank(tmp_path: Path) -> None:
     assert [out.strip() for code, out in results if code == 0] == ["joined, sum 2"] * 2
 
 
+def test_two_processes_claiming_rank_zero(tmp_path: Path) -> None:
+    # Observed before: the second was told "another job is probably using this port".
+    results = _join([(0, 2, "gloo"), (0, 2, "gloo"), (1, 2, "gloo")], str(tmp_path / "done"))
+    failed = [out for code, out in results if code != 0]
+    assert len(failed) == 1, results
+    assert "rank 0 is claimed twice: pid" in failed[0], failed[0]
+    assert "was given RANK=0 too. Give each process its own RANK" in failed[0]
+    assert "another program or job uses this port" not in failed[0]
+
+
 def test_ranks_that_chose_different_backends() -> None:
     results = _join([(0, 2, "gloo"), (1, 2, "mpi")])
     for code, out in results:

@@ -110,8 +110,22 @@ def _run(ns: argparse.Namespace) -> int:
 
                 # The origin rank once, the ranks that failed as a consequence in one line
                 # each (those the launcher had to kill said to be).
-                print(summarize_run_failure(err, ns.script, killed), file=sys.stderr)
+                summary = summarize_run_failure(err, ns.script, killed)
+                if ns.max_restarts > 0:  # torch elastic raises once no restart is left
+                    summary += (f"\n  no restart left: it failed in each of its "
+                                f"{ns.max_restarts + 1} attempts (--max-restarts "
+                                f"{ns.max_restarts}); the last attempt's failure is above")
+                print(summary, file=sys.stderr)
                 return 1
+            except (Exception, KeyboardInterrupt) as err:
+                from metadist.runtime.run_errors import explain
+
+                # The launcher's own failure (port taken, Ctrl-C, SIGTERM): one summary, its
+                # traceback in a log file.
+                message, code = explain(err, ns.script, ns.master_addr or launch_env.LOOPBACK,
+                                        ns.master_port)
+                print(message, file=sys.stderr)
+                return code
     return 0
 
 

@@ -34,6 +34,15 @@ def main() -> None:
         if exc.code in (None, 0):
             return
         raise
+    except KeyboardInterrupt:
+        # Ctrl-C (the terminal's, or the launcher passing on its own): one line, not a
+        # traceback per rank; where it was is all there is to say.
+        where = _innermost_user_frame(sys.exc_info()[2])
+        rank = os.environ.get("RANK", "?")
+        os.write(2, f"[rank {rank}] interrupted (SIGINT) at {where}\n".encode())
+        failures.write_error_file("KeyboardInterrupt: interrupted (SIGINT)", where,
+                                  secondary=True, printed=True)
+        raise SystemExit(128 + 2) from None
     except Exception as exc:
         # Start the traceback at the user's script, not in this entry (or runpy).
         tb = exc.__traceback__
@@ -42,6 +51,22 @@ def main() -> None:
             tb = tb.tb_next
         failures.record_script_failure(exc.with_traceback(tb), watchdog.claim_first_failure)
         raise SystemExit(1) from None  # reported: Python must not print the traceback again
+
+
+def _innermost_user_frame(tb: types.TracebackType | None) -> str:
+    """``file:line in function`` of the innermost frame outside this entry and runpy."""
+    import torch
+
+    libraries = tuple(os.path.dirname(m.__file__ or "") + os.sep
+                      for m in (torch, sys.modules["metadist"]))
+    where = "an unknown place"
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename not in (__file__, "<frozen runpy>") and not \
+                code.co_filename.startswith(libraries):
+            where = f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return where
 
 
 def _run_as_main(script: str) -> None:

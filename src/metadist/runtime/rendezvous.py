@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import ipaddress
 import os
 import socket
@@ -61,10 +62,31 @@ def _listener(addr: str, port: int) -> int:
         sock.listen(socket.SOMAXCONN)
     except OSError as exc:
         sock.close()
+        other = _rank_zero_at(addr, port) if exc.errno == errno.EADDRINUSE else None
+        if other is not None:
+            raise RendezvousError(
+                f"rank 0 is claimed twice: {other.where()} already serves the store of a "
+                f"job of {other.world_size} ranks at {addr}:{port} as rank 0, and this process "
+                f"(pid {os.getpid()}) was given RANK=0 too. Give each process its own RANK, "
+                "or give two jobs on one host different MASTER_PORTs") from exc
         raise RendezvousError(
-            f"rank 0 cannot listen on {addr}:{port} ({exc.strerror or exc}); another job is "
-            "probably using this port: set MASTER_PORT to a free port") from exc
+            f"rank 0 cannot listen on {addr}:{port} ({exc.strerror or exc}): another program "
+            "or job uses this port: set MASTER_PORT to a free port") from exc
     return sock.detach()
+
+
+def _rank_zero_at(addr: str, port: int) -> handshake.Claim | None:
+    """The claim of the rank 0 whose store listens at ``addr:port``, if it is metadist's."""
+    try:
+        client = dist.TCPStore(  # type: ignore[attr-defined]
+            addr, port, None, False, timeout=datetime.timedelta(seconds=2),
+            wait_for_workers=False)
+        key = "metadist/hello/0"
+        # it may have bound the port a moment before writing its claim
+        client.wait([key], datetime.timedelta(seconds=2))
+        return handshake.Claim.decode(client.get(key))
+    except Exception:  # not a store, or not metadist's: only the port is known to be taken
+        return None
 
 
 def _store(detected: launch_env.LaunchEnv, timeout: float) -> Any:
@@ -183,10 +205,15 @@ def join(detected: launch_env.LaunchEnv, backend: str, device: torch.device,
         os.write(2, f"[rank {detected.rank}] metadist warning: {hint}\n".encode())
 
     def failure(waited: float, cause: str) -> str:
+        # A limit reached, or an error raised well before it (gloo gives up on an address
+        # it cannot reach): the message must not call an immediate failure a wait.
+        how = (f"it gave up after waiting {waited:.1f} s (limit {timeout:g} s{cause})"
+               if waited >= 0.9 * timeout else
+               f"it failed after {waited:.1f} s, before its limit of {timeout:g} s "
+               f"({cause.lstrip('; ')})")
         return (f"rank {detected.rank} reached the rendezvous at {detected.master_addr}:"
                 f"{detected.master_port} but the {backend} process group of "
-                f"{detected.world_size} ranks did not form: it gave up after waiting "
-                f"{waited:.1f} s (limit {timeout:g} s{cause}); "
+                f"{detected.world_size} ranks did not form: {how}; "
                 + (hint if hint else "a rank stopped or hung while joining: check the other "
                    f"ranks' output, or raise {TIMEOUT_VAR}"))
 

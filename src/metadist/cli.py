@@ -93,6 +93,8 @@ def _run(ns: argparse.Namespace) -> int:
     # otherwise force 1 thread and warn).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ns.nproc)))
     os.environ.setdefault(_PER_ROUND_STORE, "1")
+    if ns.rank_prefix:  # the workers start each line with their rank (runtime/line_output.py)
+        os.environ["METADIST_RANK_PREFIX"] = "1"
     with tempfile.TemporaryDirectory(prefix="metadist-run-") as scratch:
         argv = ["--nproc-per-node", str(ns.nproc),
                 "--nnodes", f"{lo}:{hi}" if lo != hi else str(hi),
@@ -223,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--last-call", type=int, default=10,
                      help="elastic jobs: seconds to wait for more nodes once MIN have joined "
                           "(default 10)")
+    run.add_argument("--rank-prefix", action="store_true",
+                     help="start every line a worker prints with its rank, e.g. '[rank 3] ' "
+                          "(lines arrive whole either way)")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_run)

@@ -16,7 +16,7 @@ import types
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from metadist.runtime import failures, watchdog
+from metadist.runtime import failures, line_output, watchdog
 
 
 def main() -> None:
@@ -26,6 +26,7 @@ def main() -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"metadist run: script {script!r} does not exist")
     ErrorHandler().initialize()  # fault handler: native crashes still print a stack
+    line_output.install(os.environ.get("RANK", "?"))  # ranks share one terminal: whole lines
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:

@@ -155,8 +155,9 @@ def _worker(spec: _Spec, conn: Connection, dumps: Connection) -> None:
         )
         import torch
 
-        from metadist.runtime import watchdog, world
+        from metadist.runtime import line_output, watchdog, world
 
+        line_output.install(spec.rank)  # ranks share the parent's terminal: whole lines
         torch.set_num_threads(spec.threads)
         world.forget_inherited()
         lock = threading.Lock()  # the watchdog thread may report while a reply is being sent

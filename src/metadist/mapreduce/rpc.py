@@ -13,6 +13,13 @@ address is loopback, TensorPipe's listeners (``TP_SOCKET_IFNAME``) and the gloo 
 creates for itself (``GLOO_SOCKET_IFNAME``) are pinned to the loopback interface too, unless
 those variables are set; on several nodes both keep their defaults (set them to the private
 interface).
+
+No wait is unbounded: calls time out after the job's collective limit (``METADIST_TIMEOUT``;
+torch's default is a minute) unless ``rpc_backend_options`` say otherwise; the graceful
+shutdown, which torch lets wait forever for a worker that never arrives, waits only for
+workers whose heartbeat keeps coming (mapreduce/rpc_liveness.py: a serving rank may wait
+there as long as the driver trains, not for a stopped, dead or unreachable one), and then
+runs torch's shutdown within the limit; one that still does not return ends the process.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import threading
 import urllib.parse
 import uuid
 import warnings
@@ -32,13 +40,15 @@ from torch import nn
 
 from metadist.comm import ops
 from metadist.errors import MetadistError
-from metadist.mapreduce import trees
+from metadist.mapreduce import rpc_liveness, trees
 from metadist.mapreduce.functions import inner_function
 from metadist.mapreduce.modules import copy_module
 from metadist.mapreduce.partitioners import Part
 from metadist.mapreduce.world import worker_name
 from metadist.runtime import env as launch_env
+from metadist.runtime import watchdog
 from metadist.runtime import world as _world
+from metadist.runtime.bounded_store import StoreLostError
 from metadist.runtime.rendezvous import is_loopback, loopback_interface
 
 try:
@@ -52,6 +62,8 @@ except ImportError:  # builds without distributed support
 RRef: Any = _rpc.RRef if AVAILABLE else None
 
 _SCHEME = "metadist-rpc"  # init_method metadist-rpc://<session token>
+_SHUTDOWN_MARGIN_S = 5.0  # past the limit, a shutdown that has not returned ends the process
+_liveness: rpc_liveness.Liveness | None = None  # this session's heartbeat
 _IFNAME_VARS = ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")  # TensorPipe's, RPC's gloo group's
 # torch's RPC passes its private gloo backend to all_gather_object, which then warns about
 # "using a Backend as a ProcessGroup": torch's own usage, nothing the user can change.
@@ -116,7 +128,7 @@ def start(config: Any) -> None:
     # process a core even while idle (measured here: ~1 CPU-second per second), which on small
     # machines is the core the computation needs. Pass rpc_backend_options to choose.
     options = config.rpc_backend_options or _rpc.TensorPipeRpcBackendOptions(
-        _transports=["uv"])
+        _transports=["uv"], rpc_timeout=watchdog.current_timeout())
     options.init_method = f"{_SCHEME}://{token}"
     store = None if w.world_size == 1 else _default_store()
     pins = loopback_pins(launch_env.detect().master_addr or launch_env.LOOPBACK)
@@ -129,11 +141,60 @@ def start(config: Any) -> None:
     finally:
         if store is not None:
             store.set_timeout(timeout)  # init_rpc set RPC's timeout on the shared store
+    if store is not None:
+        global _liveness
+        detected = launch_env.detect()
+        _liveness = rpc_liveness.start(
+            dist.PrefixStore(f"metadist/rpc/{token}/live", store),  # type: ignore[attr-defined]
+            detected.master_addr, detected.master_port, w.rank, w.world_size)
 
 
 def stop() -> None:
-    """Wait for every worker's outstanding calls, then stop RPC (collective)."""
-    _rpc.shutdown(graceful=True)
+    """Wait for every worker to reach the shutdown while it is alive, then stop RPC
+    (collective) within the job's limit; a worker that stopped answering is named."""
+    global _liveness
+    limit = watchdog.current_timeout()
+    me = worker_name(_world.world().rank)
+    live, _liveness = _liveness, None
+    if live is not None:
+        try:
+            live.wait_all_arrived(limit)
+        except (rpc_liveness.SilentWorkersError, StoreLostError) as exc:
+            with contextlib.suppress(Exception):
+                _rpc.shutdown(graceful=False)
+            why = (f"{', '.join(worker_name(r) for r in exc.ranks)} sent no heartbeat for "
+                   f"{limit:g} s and never reached it: stopped (SIGSTOP, a debugger), frozen, "
+                   "dead or cut off by the network"
+                   if isinstance(exc, rpc_liveness.SilentWorkersError)
+                   else f"the job's store was lost ({exc})")
+            raise MetadistError(f"the rpc engine's shutdown on {me} cannot complete: {why}. "
+                                f"Raise {watchdog.TIMEOUT_VAR} if a worker is legitimately "
+                                "silent longer") from exc
+        finally:
+            live.close()
+    failed: list[BaseException] = []
+
+    def graceful() -> None:
+        try:
+            _rpc.shutdown(graceful=True, timeout=limit)
+        except BaseException as exc:  # reported below, on the calling thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=graceful, name="metadist-rpc-shutdown", daemon=True)
+    worker.start()
+    worker.join(limit + _SHUTDOWN_MARGIN_S)
+    if worker.is_alive():
+        watchdog.report_and_exit(MetadistError.__name__, (
+            f"the rpc engine's shutdown on {me} did not return within {limit:g} s plus "
+            f"{_SHUTDOWN_MARGIN_S:g} s although every worker had reached it (torch's RPC "
+            "stalled); this process is stopped"))
+    if failed:
+        with contextlib.suppress(Exception):
+            _rpc.shutdown(graceful=False)
+        first = str(failed[0]).strip().splitlines()
+        raise MetadistError(
+            f"the rpc engine's shutdown on {me} failed although every worker had reached it: "
+            f"{first[0] if first else type(failed[0]).__name__}") from failed[0]
 
 
 def _differentiable_clone(p: torch.Tensor) -> torch.Tensor:

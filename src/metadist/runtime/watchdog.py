@@ -326,6 +326,12 @@ def active() -> Watchdog | None:
     return _active
 
 
+def current_timeout() -> float:
+    """The seconds this process's collectives may wait (its watchdog's limit, or what
+    ``init`` would choose): the bound for other waits on peers too (rpc)."""
+    return _active.config.timeout if _active is not None else resolve_timeout(None)
+
+
 def claim_first_failure() -> bool:
     """True when this rank is the first of the job to fail (or nobody can tell)."""
     watchdog = _active

@@ -34,6 +34,15 @@ def use(*, torchvision_standin: bool = False) -> None:
             sys.path.insert(0, path)
 
 
+def quiet_betty() -> None:
+    """Betty logs every problem's set-up at INFO: keep a test's output to what matters."""
+    import logging
+
+    from betty.logging.logger_base import get_logger
+
+    get_logger().setLevel(logging.WARNING)
+
+
 @contextmanager
 def pool(world_size: int, timeout: float = 300.0,
          nnodes: int = 1) -> Iterator[Callable[..., list[Any]]]:

@@ -20,7 +20,6 @@ multi-rank runs; a pool is reopened after a job that failed.
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import traceback
 from collections.abc import Callable, Iterator
@@ -75,12 +74,6 @@ EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
 
 # ----- the jobs (module level: they run in the pools' processes) --------------------------------
 
-def _quiet_betty() -> None:
-    from betty.logging.logger_base import get_logger
-
-    get_logger().setLevel(logging.WARNING)
-
-
 def _attempt(port: str, impl: str, strategy: str) -> dict[str, Any]:
     """The port's result, or {"error": traceback} (a failure must not close the pool, and
     the other implementation's result is still wanted)."""
@@ -92,7 +85,7 @@ def _attempt(port: str, impl: str, strategy: str) -> dict[str, Any]:
 
 def _both_in_one_process(port: str) -> dict[str, dict[str, Any]]:
     peers.use()
-    _quiet_betty()
+    peers.quiet_betty()
     return {impl: _attempt(port, impl, "default") for impl in ("betty", "compat")}
 
 

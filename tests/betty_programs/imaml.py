@@ -2,14 +2,13 @@
 Engine.train_step calling leaf.step, get_batch from the Env, a proximal term on
 self.parameters() and self.outer.parameters(), on_inner_loop_start loading the meta
 weights, gradient accumulation over tasks, a dict loss with metrics), runnable on Betty
-0.2.1 and on metadist.compat.betty. The stored reference is written by
-``PYTHONPATH=.bench python -m tests.betty_programs.imaml tests/data/betty_0.2.1_imaml.pt``.
+0.2.1 and on metadist.compat.betty. tests/test_betty_compat.py runs both
+(Betty from .peers/).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
 
 import torch
@@ -104,12 +103,3 @@ def run(impl: str, strategy: str = "default", iters: int = 24) -> dict[str, Any]
                            for k, v in p.module.state_dict().items()}
     out["counts"] = (inner.count, outer.count)
     return out
-
-
-if __name__ == "__main__":
-    import logging
-
-    from betty.logging.logger_base import get_logger
-
-    get_logger().setLevel(logging.WARNING)
-    torch.save(run("betty"), sys.argv[1])

@@ -2,15 +2,13 @@
 metadist.compat.betty, so that the two can be compared case by case.
 
 ``run(impl, case)`` with ``impl`` "betty" (Betty must be importable) or "compat"; ``CASES``
-names the variants (hypergradient types and Betty's schedule options). The stored
-reference, tests/data/betty_0.2.1_mwn.pt, is written by
-``PYTHONPATH=.bench python -m tests.betty_programs.mwn tests/data/betty_0.2.1_mwn.pt``.
+names the variants (hypergradient types and Betty's schedule options).
+tests/test_betty_compat.py runs both (Betty from .peers/).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import Any
 
 import torch
@@ -99,12 +97,3 @@ def run(impl: str, case: str, strategy: str = "default") -> dict[str, Any]:
     out.update(calls=calls, counts=(inner.count, outer.count),
                lr=inner.optimizer.param_groups[0]["lr"])
     return out
-
-
-if __name__ == "__main__":
-    import logging
-
-    from betty.logging.logger_base import get_logger
-
-    get_logger().setLevel(logging.WARNING)
-    torch.save({case: run("betty", case) for case in CASES}, sys.argv[1])

@@ -176,20 +176,51 @@ def test_setup_broadcasts_rank_zeros_parameters() -> None:
     assert out[0] == out[1] == out[2]
 
 
-def _buffers_broadcast() -> list[float]:
+class _Recorder(nn.Module):
+    """Records the buffer each forward reads (before the forward updates it, as BatchNorm's
+    running statistics are updated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("b", torch.zeros(3))
+        self.seen: list[list[float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.b.tolist())
+        out = self.lin(x) + self.b
+        with torch.no_grad():
+            self.b.add_(x.mean(0))  # a local update: different on every rank
+        return out
+
+
+def _buffers_broadcast(strategy: str, broadcast_buffers: bool) -> list[list[float]]:
+    rank = metadist.world().rank
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))  # plain BatchNorm: local stats
-    model = metadist.strategy("ddp").setup_module(net)
-    x = torch.randn(4, 3) + metadist.world().rank
-    model(x)  # running stats now differ per rank
-    model(x)  # broadcast from rank 0 before this forward, then updated locally again
-    model.pre_forward()
-    return net[1].running_mean.tolist()
+    net = _Recorder()
+    model = metadist.strategy(strategy, broadcast_buffers=broadcast_buffers).setup_module(net)
+    with torch.no_grad():
+        net.b.fill_(10.0 * rank)  # the buffers differ per rank before the first forward
+    x = torch.full((4, 3), float(rank + 1))
+    model(x)
+    model(x)  # each rank updated its buffer locally after the first forward
+    model.functional_forward(dict(net.named_parameters()), x)
+    return net.seen
 
 
-def test_buffers_broadcast_from_rank_zero_each_forward() -> None:
-    out = run_on_ranks(_buffers_broadcast, 2)
-    assert out[0] == out[1]
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_buffers_broadcast_from_rank_zero_each_forward(strategy: str,
+                                                       broadcast_buffers: bool) -> None:
+    """What each forward reads is rank 0's buffer, whatever the other ranks did to theirs
+    since the last forward; with broadcast_buffers=False (the path disabled: the test of the
+    test) each rank reads its own."""
+    seen = run_on_ranks(_buffers_broadcast, 2, args=(strategy, broadcast_buffers))
+    if broadcast_buffers:
+        assert seen[0] == seen[1] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+    else:
+        assert seen[0] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+        assert seen[1] == [[10.0] * 3, [12.0] * 3, [14.0] * 3]
 
 
 def test_registry_errors_list_the_choices() -> None:

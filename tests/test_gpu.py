@@ -38,6 +38,49 @@ def test_strategies_on_one_gpu_match_the_cpu_reference(strategy: str,
     assert_parity(got, reference("adam", world=1), f"{strategy} {options} on cuda")
 
 
+def _offload_placement() -> dict[str, Any]:
+    """zero3 with cpu_offload on cuda: where shards, gradients, optimizer state and the
+    parameters the forward computes with live, observed inside and after a step."""
+    from parity import loss_fn, make_net, make_optimizer
+
+    net = make_net()
+    s = metadist.strategy("zero3", min_unit_params=40, cpu_offload=True)
+    model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
+    seen: set[str] = set()  # the devices of the parameters each Linear's forward reads
+    for m in net.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda mod, _: seen.add(mod.weight.device.type))
+    x = torch.randn(4, 10, device=s.device)
+    y = torch.randn(4, 3, device=s.device)
+    for _ in range(2):
+        opt.zero_grad()
+        out = model(x)
+        s.backward(loss_fn(out, y))
+        opt.step()
+    flats = [f for f in model.flats if f.shard.requires_grad]
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        "offload": all(f.offload for f in model.flats),
+        "shards": {f.shard.device.type for f in model.flats},
+        "pinned": all(f.shard.is_pinned() for f in model.flats),
+        "grads": {f.shard.grad.device.type for f in flats if f.shard.grad is not None},
+        "state": {v.device.type for f in flats for v in opt.state[f.shard].values()
+                  if torch.is_tensor(v) and v.dim() > 0},
+        "optimizer steps the shards": all(any(p is f.shard for p in stepped) for f in flats),
+        "forward reads": seen, "output": out.device.type,
+        "full buffers": {f.full.device.type for f in model.flats},
+    }
+
+
+def test_cpu_offload_keeps_shards_grads_and_state_on_the_cpu_and_computes_on_cuda() -> None:
+    got = run_on_ranks(_offload_placement, 1, backend=None)[0]
+    assert got == {
+        "offload": True, "shards": {"cpu"}, "pinned": True, "grads": {"cpu"},
+        "state": {"cpu"}, "optimizer steps the shards": True,
+        "forward reads": {"cuda"}, "output": "cuda", "full buffers": {"cuda"},
+    }
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs for NCCL")
 def test_zero3_on_two_gpus_with_nccl() -> None:
     want = reference("adam", world=2)

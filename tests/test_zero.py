@@ -380,13 +380,82 @@ def test_clip_grad_norm_is_the_global_norm_for_every_strategy() -> None:
             assert got == pytest.approx(want.item(), rel=1e-5), strategy
 
 
+def _offload_observed(cpu_offload: bool, breakage: str) -> dict[str, Any]:
+    """Where zero3 keeps shards, gradients and optimizer state, and which copies setup made.
+
+    On CPU the offload copy is ``shard.cpu()`` of a tensor already there (tests/test_gpu.py
+    runs compute on cuda), so the path is observed instead: ``Tensor.cpu`` is watched during
+    setup, and each shard the optimizer steps must be what that copy returned (its storage),
+    with the flat's ``offload`` set. ``breakage`` disables the path (the test of the test):
+    "flag_dropped" builds the flats without offload; "copy_skipped" keeps the flag but skips
+    the copy."""
+    from metadist.strategies.flat import FlatParam
+
+    copied: list[torch.Tensor] = []  # what Tensor.cpu() returned during setup (kept alive,
+    # so that no later tensor can reuse one of their addresses)
+    cpu, init = torch.Tensor.cpu, FlatParam.__init__
+
+    def watched_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = cpu(self, *args, **kwargs)
+        copied.append(out)
+        return out
+
+    def broken_init(flat: FlatParam, *args: Any, **kwargs: Any) -> None:
+        init(flat, *args, **{**kwargs, "offload": False})
+        if breakage == "copy_skipped":
+            flat.offload = True
+
+    torch.Tensor.cpu = watched_cpu  # type: ignore[method-assign]
+    if breakage:
+        FlatParam.__init__ = broken_init  # type: ignore[method-assign]
+    try:
+        net = make_net()
+        s = metadist.strategy("zero3", min_unit_params=40, cpu_offload=cpu_offload)
+        model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
+    finally:
+        torch.Tensor.cpu, FlatParam.__init__ = cpu, init  # type: ignore[method-assign]
+    x, y = local_batch()
+    s.backward(loss_fn(model(x), y))
+    opt.step()
+    storages = {t.untyped_storage().data_ptr() for t in copied}
+    flats = [f for f in model.flats if f.shard.requires_grad]
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    return {
+        "offload": [f.offload for f in model.flats],
+        "copied": [f.shard.untyped_storage().data_ptr() in storages for f in model.flats],
+        "optimizer steps the shards": [any(p is f.shard for p in stepped) for f in flats],
+        "shards": {f.shard.device.type for f in model.flats},
+        "grads": {f.shard.grad.device.type for f in flats if f.shard.grad is not None},
+        "state": {v.device.type for f in flats for v in opt.state[f.shard].values()
+                  if torch.is_tensor(v)},
+        "compute": {f.full.device.type for f in model.flats},
+    }
+
+
 def test_cpu_offload_keeps_shards_on_the_cpu_and_matches() -> None:
-    # On a CPU-only machine the offload path is exercised with compute on the CPU as well;
-    # tests/test_gpu.py covers compute on a GPU with shards in host memory.
+    # On a CPU-only machine compute is on the CPU as well: the placement is checked and the
+    # offload copy's path observed; tests/test_gpu.py covers compute on a GPU with shards,
+    # gradients and optimizer state in (pinned) host memory.
+    for got in run_on_ranks(_offload_observed, 2, args=(True, "")):
+        n = len(got["offload"])
+        assert n > 1 and all(got["optimizer steps the shards"]), got
+        assert got["shards"] == got["grads"] == got["state"] == {"cpu"}, got
+        assert got["compute"] == {metadist.strategy("zero3").device.type}, got
+        assert got["offload"] == got["copied"] == [True] * n, got
+    for got in run_on_ranks(_offload_observed, 2, args=(False, "")):
+        assert not any(got["offload"]) and not any(got["copied"]), got  # no offload, no copy
     want = reference("adam", world=2)
     options = {"min_unit_params": 40, "cpu_offload": True}
     for got in run_on_ranks(train_on_rank, 2, args=("zero3", "adam", 1, True, options)):
         assert_parity(got, want, "zero3 cpu_offload")
+
+
+@pytest.mark.parametrize("breakage", ["flag_dropped", "copy_skipped"])
+def test_cpu_offload_check_fails_with_the_path_disabled(breakage: str) -> None:
+    """The test of the test above: with the offload path disabled its path check fails."""
+    for got in run_on_ranks(_offload_observed, 2, args=(True, breakage)):
+        assert not all(got["copied"]), got
+        assert got["offload"] == [breakage == "copy_skipped"] * len(got["offload"]), got
 
 
 def _groups_schedule_frozen(strategy: str | None) -> dict[str, torch.Tensor]:

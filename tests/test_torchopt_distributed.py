@@ -1,7 +1,8 @@
 """metadist.compat.torchopt.distributed: TorchOpt's distributed API and layout on metadist.
 
 A TorchOpt-style MAML program (rank 0 drives, the other rank serves) under `metadist run`
-with no engine setting, against one process and plain PyTorch; then one test per place where
+with no engine setting, against one process and against plain PyTorch (the inner loop
+written with torch.func, independent of the compat layer); then one test per place where
 TorchOpt's semantics differ from metadist's own API.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import metadist
@@ -25,11 +27,16 @@ import metadist.compat.torchopt.distributed as todist
 from metadist import mapreduce
 from metadist.compat.torchopt.distributed import api, autograd, world
 from metadist.testing import run_on_ranks
-from parity import ATOL, RTOL
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "tests" / "torchopt_programs" / "maml_omniglot.py"
 STEPS = 10
+# The program is float64. Measured here: the parameters after 10 steps differ by at most
+# 1.6e-15 (entries up to 1.12) between 2 workers, 1 worker and the plain-PyTorch reference,
+# which differ only in the order the task losses are summed; the evaluation loss by 7e-16.
+# 1e-12 leaves ~600x for another CPU's summation order in the float64 convolutions; a wrong
+# inner step (a MetaSGD with 1.5x the learning rate) moves the parameters by 0.80.
+TOL = {"rtol": 1e-12, "atol": 1e-12}
 
 # torchopt 0.7.3: torchopt.distributed.__all__ and torchopt.distributed.autograd.__all__.
 TORCHOPT_ALL = {
@@ -59,8 +66,28 @@ def _program() -> ModuleType:
     return module
 
 
+def _plain_inner_loop(net: nn.Module, x_spt: torch.Tensor, y_spt: torch.Tensor,
+                     x_qry: torch.Tensor, y_qry: torch.Tensor, n_inner_iter: int) -> torch.Tensor:
+    """The program's inner loop in plain PyTorch (torch.func.functional_call and
+    torch.autograd.grad): no metadist, no compat layer. The task's fast weights are
+    ``p - lr * grad`` with the graph kept (TorchOpt's MetaSGD); buffers are copies
+    (``detach_buffers=True``); BatchNorm runs on batch statistics throughout."""
+    from torch.func import functional_call
+
+    program = _program()
+    params = dict(net.named_parameters())
+    buffers = {name: b.detach().clone() for name, b in net.named_buffers()}
+    for _ in range(n_inner_iter):
+        out = functional_call(net, {**params, **buffers}, (x_spt,))
+        grads = torch.autograd.grad(F.cross_entropy(out, y_spt), list(params.values()),
+                                    create_graph=True)
+        params = {name: p - program.INNER_LR * g
+                  for (name, p), g in zip(params.items(), grads, strict=True)}
+    return F.cross_entropy(functional_call(net, {**params, **buffers}, (x_qry,)), y_qry)
+
+
 class _Local:
-    """Stands in for an RRef in the plain-PyTorch reference."""
+    """Stands in for an RRef when the program's own inner loop runs in this process."""
 
     def __init__(self, value: nn.Module) -> None:
         self.value = value
@@ -69,16 +96,23 @@ class _Local:
         return self.value
 
 
-def _reference(steps: int) -> list[torch.Tensor]:
-    """The program's training in one plain process: every task in turn, mean of the losses."""
+def _program_inner_loop(net: nn.Module, *args: Any) -> torch.Tensor:
+    """The program's inner loop (metadist.compat.torchopt's module_clone and MetaSGD) run
+    in this process."""
+    inner: Any = _program().inner_loop.__wrapped__
+    return inner(_Local(net), *args)  # type: ignore[no-any-return]
+
+
+def _reference(steps: int, inner_loop: Any = _plain_inner_loop) -> list[torch.Tensor]:
+    """The program's training in one process: every task in turn through ``inner_loop``
+    (plain PyTorch unless told), the mean of the losses, torch's SGD as the meta-optimizer."""
     program = _program()
     net = program.build_model()
     meta_opt = torch.optim.SGD(net.parameters(), lr=program.META_LR, momentum=0.9)
     for step in range(steps):
         x_spt, y_spt, x_qry, y_qry = program.sample_tasks(step)
         meta_opt.zero_grad()
-        losses = [program.inner_loop.__wrapped__(_Local(net), x_spt[i], y_spt[i], x_qry[i],
-                                                 y_qry[i], program.INNER_STEPS)
+        losses = [inner_loop(net, x_spt[i], y_spt[i], x_qry[i], y_qry[i], program.INNER_STEPS)
                   for i in range(program.TASKS)]
         torch.stack(losses).mean().backward()
         meta_opt.step()
@@ -103,11 +137,34 @@ def test_torchopt_maml_layout_runs_under_metadist_run_and_matches_one_process(
     assert "worker1" not in one_out
     assert len(two["losses"]) == STEPS
     for p, q in zip(two["params"], one["params"], strict=True):
-        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(p, q, **TOL)
     for p, q in zip(one["params"], _reference(STEPS), strict=True):
-        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(p, q, **TOL)
     # The evaluation sent the module itself (todist.rpc.RRef(net)); same loss both ways.
-    assert two["eval"] == pytest.approx(one["eval"], rel=RTOL)
+    assert two["eval"] == pytest.approx(one["eval"], rel=TOL["rtol"])
+
+
+def test_the_reference_is_independent_of_the_compat_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test of the test above: the program's own inner loop (the compat layer's
+    module_clone/MetaSGD, in this process) agrees with the plain-PyTorch reference, and with
+    the compat MetaSGD's learning rate made 1.5x it no longer does, while the reference,
+    which never touches the compat layer, is unchanged."""
+    steps = 2
+    plain = _reference(steps)
+    for p, q in zip(_reference(steps, _program_inner_loop), plain, strict=True):
+        torch.testing.assert_close(p, q, **TOL)
+    meta_sgd = _program().torchopt.MetaSGD
+    init = meta_sgd.__init__
+
+    def faster(self: Any, module: nn.Module, lr: float, *args: Any, **kwargs: Any) -> None:
+        init(self, module, 1.5 * lr, *args, **kwargs)
+
+    monkeypatch.setattr(meta_sgd, "__init__", faster)
+    broken = _reference(steps, _program_inner_loop)
+    assert max((p - q).abs().max().item() for p, q in zip(broken, plain, strict=True)) > 1e-3
+    for p, q in zip(_reference(steps), plain, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_every_public_name_of_torchopt_distributed() -> None:

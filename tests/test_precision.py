@@ -105,14 +105,39 @@ def test_reduce_dtype_halves_gradient_bytes_and_tracks_fp32(strategy: str) -> No
         assert half_bytes > 0
 
 
-def _scaled_training_with_overflow(strategy: str) -> dict[str, Any]:
-    """16-mixed where rank 1 alone produces an inf gradient for one parameter at step 3."""
+def _local_inf_flag() -> None:
+    """The scaler's inf/NaN flag kept on each rank, not all-reduced: the broken path the
+    overflow tests must catch."""
+    from metadist.precision import LossScaler
+
+    @torch.no_grad()
+    def found_inf(self: LossScaler, optimizer: torch.optim.Optimizer) -> bool:
+        grads = self._grads(optimizer)
+        norms = torch._foreach_norm(grads, float("inf")) if grads else []
+        return not all(torch.isfinite(n).item() for n in norms)
+
+    LossScaler._found_inf = found_inf  # type: ignore[method-assign]
+
+
+def _scaled_training_with_overflow(strategy: str, where: str = "backward",
+                                   local_flag: bool = False) -> dict[str, Any]:
+    """16-mixed where rank 1 alone produces an inf gradient at step 3.
+
+    ``where="backward"``: the inf arises in backward (one parameter's gradient; under zero3
+    the output), before the gradient reduction, which carries it to the ranks it reaches.
+    ``where="after_reduction"``: after the gradients are reduced (and clipped), rank 1 finds
+    an inf in one of the gradients its optimizer steps: only rank 1's local check can see it,
+    so every other rank skips the step only through the all-reduced flag.
+    ``local_flag``: that all-reduce removed (the test of the test)."""
+    if local_flag:
+        _local_inf_flag()
     w = metadist.world()
     s = metadist.strategy(strategy, precision="16-mixed")
     net = make_net(batchnorm=False)
     model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
     step = 0
-    poisoned = model.module.out.bias if strategy != "zero3" else None
+    poisoned = (model.module.out.bias if strategy != "zero3" and where == "backward"
+                else None)
 
     def poison(grad: torch.Tensor) -> torch.Tensor:
         return grad * float("inf") if step == 3 and w.rank == 1 else grad
@@ -123,35 +148,59 @@ def _scaled_training_with_overflow(strategy: str) -> dict[str, Any]:
     for step, (x, y) in enumerate(batches()):
         opt.zero_grad()
         out = model(shard(x, w.rank, w.world_size))
-        if poisoned is None and step == 3 and w.rank == 1:
+        if strategy == "zero3" and where == "backward" and step == 3 and w.rank == 1:
             out = out * float("inf")
         s.backward(loss_fn(out, shard(y, w.rank, w.world_size)))
         norms.append(float(s.clip_grad_norm_(model, 1e6)))
+        if where == "after_reduction" and step == 3 and w.rank == 1:
+            local = next(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
+            assert local.grad is not None
+            local.grad.view(-1)[0] = float("inf")
         opt.step()
         assert s.scaler is not None
         skipped.append(s.scaler.last_step_skipped)
     params = model.state_dict()  # waits for zero1/2's overlapped parameter refresh
+    same = True
     for name, value in params.items():
-        assert_same_on_all_ranks(value, name)
+        try:
+            assert_same_on_all_ranks(value, name)
+        except AssertionError:
+            same = False
     assert s.scaler is not None
     return {"skipped": skipped, "scale": s.scaler.scale_value, "norms": norms,
-            "params": params}
+            "params": params, "same on all ranks": same}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_loss_scaler_skips_the_same_step_on_every_rank(strategy: str) -> None:
-    """zero2 reduces that gradient to one owner, so only the owner sees the inf: without
-    the all-reduced flag the other rank would step and the replicas would diverge."""
-    out = run_on_ranks(_scaled_training_with_overflow, 2, args=(strategy,))
+@pytest.mark.parametrize(("strategy", "where"), [
+    ("ddp", "backward"), ("zero2", "backward"), ("zero3", "backward"),
+    ("ddp", "after_reduction"), ("zero1", "after_reduction"), ("zero2", "after_reduction"),
+    ("zero3", "after_reduction"),
+])
+def test_loss_scaler_skips_the_same_step_on_every_rank(strategy: str, where: str) -> None:
+    """Every rank skips the step in which one rank saw an inf. In backward: zero2 reduces
+    that gradient to one owner, so only the owner sees the inf (ddp's all-reduce and zero3's
+    reduce-scatter carry it everywhere). After the reduction: only that rank's own check sees
+    it, under every strategy; without the all-reduced flag the other rank would step."""
+    out = run_on_ranks(_scaled_training_with_overflow, 2, args=(strategy, where))
     expected = [i == 3 for i in range(len(batches()))]
     for got in out:
         assert got["skipped"] == expected
         assert got["scale"] == 2.0**16 * 0.5
+        assert got["same on all ranks"]
     # the skipped step left no trace: equal to fp32 training without that batch, within
     # the 16-mixed tolerance
     data = [b for i, b in enumerate(batches()) if i != 3]
     want = reference("adam", batchnorm=False, data=data, world=2)
     assert relative_update_error(out[0]["params"], want["params"]) < TOLERANCE["16-mixed"] * 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_a_local_inf_flag_fails_the_overflow_test(strategy: str) -> None:
+    """The test of the test above: with the flag not all-reduced, the rank that did not see
+    the inf steps, so the ranks' skipped steps differ."""
+    out = run_on_ranks(_scaled_training_with_overflow, 2,
+                       args=(strategy, "after_reduction", True))
+    assert [got["skipped"][3] for got in out] == [False, True]
 
 
 def test_clip_grad_norm_reports_the_unscaled_norm() -> None:

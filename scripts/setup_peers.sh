@@ -9,10 +9,38 @@ cd "$(dirname "$0")/.."
 py=.venv/bin/python
 pins=constraints/peers.txt
 stamp=".peers/.installed-$(sha256sum "$pins" | cut -c1-16)"
-[ -f "$stamp" ] && exit 0
 
 pin() { grep -E "^$1==" "$pins" | head -n 1; }
 pip_target() { "$py" -m pip install -q --disable-pip-version-check --no-deps --target "$@"; }
+
+# TorchOpt's own test suite, from its source distribution (the wheel has no tests/):
+# tests/test_torchopt_suite.py runs it against TorchOpt and against metadist.compat.torchopt.
+# Extracted as shipped into .peers/torchopt-tests/ (the sdist is checked against its digest;
+# its helpers.py, which the sdist lacks, is tests/torchopt_suite/helpers.py, written here).
+torchopt_sdist_sha256=7b5f1628318a89891b14b7eecf26adde0e9c0590842a16a99fcaa09a91c59c56
+torchopt_tests() {
+    local dest=.peers/torchopt-tests dl=.peers-build/torchopt-sdist
+    [ -f "$dest/.complete-$torchopt_sdist_sha256" ] && return 0
+    rm -rf "$dest" "$dl"
+    mkdir -p "$dl"
+    # --no-build-isolation: only the archive is wanted; pip reads its metadata with the
+    # venv's setuptools instead of resolving TorchOpt's build requirements.
+    "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+        --no-build-isolation --dest "$dl" "$(pin torchopt)"
+    local archive
+    archive=$(ls "$dl"/torchopt-*.tar.gz)
+    echo "$torchopt_sdist_sha256  $archive" | sha256sum -c --quiet -
+    tar -xzf "$archive" -C "$dl"
+    mkdir -p "$dest"
+    cp -r "$dl"/torchopt-*/tests/. "$dest"/
+    rm -rf "$dl"
+    touch "$dest/.complete-$torchopt_sdist_sha256"
+}
+
+if [ -f "$stamp" ]; then
+    torchopt_tests
+    exit 0
+fi
 
 rm -rf .peers .peers-build
 mkdir -p .peers-build
@@ -35,4 +63,5 @@ PYTHONPATH=.peers-build/cython "$py" -m cython -3 "$src"learn2learn/data/*.pyx
 "$py" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
     --target .peers "$src"
 rm -rf .peers/tests .peers/bin .peers-build  # its sdist also installs its own tests package
+torchopt_tests
 touch "$stamp"

@@ -2,48 +2,83 @@
 ``import metadist.compat.torchopt as torchopt`` (and ``import torchopt.distributed as todist``
 ``import metadist.compat.torchopt.distributed as todist``), and nothing else changes.
 
-Names, signatures (positional order included), defaults and semantics are TorchOpt 0.7.3's;
-the arithmetic is metadist's differentiable optimisers (:mod:`metadist.meta`), the
-distributed calls metadist's map-reduce engines. docs/mapreduce.md ("Coming from TorchOpt")
-lists what differs and why.
+Names, signatures (positional order included), defaults, module paths and semantics are
+TorchOpt 0.7.3's, and so are the numbers: the optimisers are TorchOpt's chains of
+transformations (:mod:`.transform`, :mod:`.alias`) with TorchOpt's arithmetic; implicit
+differentiation (:mod:`.diff.implicit`, :mod:`.linear_solve`) runs on metadist's
+hypergradient solvers, the distributed calls on metadist's map-reduce engines.
+docs/mapreduce.md ("Coming from TorchOpt") lists what differs and why.
+
+``pytree`` needs optree and ``visual`` graphviz, as TorchOpt's do; both, and the heavier
+subpackages, load on first use.
 """
 
-from metadist.compat.torchopt import alias, optim, update, utils
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from metadist.compat.torchopt import (
+    accelerated_op,
+    alias,
+    base,
+    clip,
+    combine,
+    hook,
+    optim,
+    schedule,
+    transform,
+    typing,
+    update,
+    utils,
+)
+from metadist.compat.torchopt.accelerated_op import is_available as accelerated_op_available
 from metadist.compat.torchopt.alias import (
-    GradientTransformation,
     adadelta,
     adagrad,
     adam,
     adamax,
     adamw,
-    chain,
-    clip_grad_norm,
-    nan_to_num,
     radam,
     rmsprop,
     sgd,
 )
+from metadist.compat.torchopt.base import GradientTransformation
+from metadist.compat.torchopt.clip import clip_grad_norm
+from metadist.compat.torchopt.combine import chain
+from metadist.compat.torchopt.hook import register_hook
 from metadist.compat.torchopt.optim import (
     SGD,
     AdaDelta,
+    Adadelta,
     AdaGrad,
+    Adagrad,
     Adam,
     AdaMax,
+    Adamax,
     AdamW,
-    FuncOptimizer,
+    Optimizer,
+    RAdam,
+    RMSProp,
+    RMSprop,
+)
+from metadist.compat.torchopt.optim.func import FuncOptimizer
+from metadist.compat.torchopt.optim.meta import (
     MetaAdaDelta,
+    MetaAdadelta,
     MetaAdaGrad,
+    MetaAdagrad,
     MetaAdam,
     MetaAdaMax,
+    MetaAdamax,
     MetaAdamW,
     MetaOptimizer,
     MetaRAdam,
     MetaRMSProp,
+    MetaRMSprop,
     MetaSGD,
-    Optimizer,
-    RAdam,
-    RMSProp,
 )
+from metadist.compat.torchopt.transform import nan_to_num
 from metadist.compat.torchopt.update import apply_updates
 from metadist.compat.torchopt.utils import (
     ModuleState,
@@ -53,70 +88,27 @@ from metadist.compat.torchopt.utils import (
     recover_state_dict,
     stop_gradient,
 )
+from metadist.compat.torchopt.version import __version__
 
-# TorchOpt's second spellings
-Adamax, Adadelta, Adagrad, RMSprop = AdaMax, AdaDelta, AdaGrad, RMSProp
-MetaAdamax, MetaAdadelta, MetaAdagrad, MetaRMSprop = (MetaAdaMax, MetaAdaDelta, MetaAdaGrad,
-                                                      MetaRMSProp)
-__version__ = "0.7.3"
+_LAZY = ("diff", "distributed", "linalg", "linear_solve", "nn", "pytree", "visual")
 
 
-def accelerated_op_available(devices: object = None) -> bool:
-    """TorchOpt's fused C++/CUDA kernels are not used here (the same arithmetic runs as torch
-    operations), so an accelerated op is never available."""
-    return False
+def __getattr__(name: str) -> Any:
+    """The subpackages that need optional dependencies (optree, graphviz) or more set-up,
+    imported on first use."""
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "SGD",
-    "AdaDelta",
-    "AdaGrad",
-    "AdaMax",
-    "Adadelta",
-    "Adagrad",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "FuncOptimizer",
-    "GradientTransformation",
-    "MetaAdaDelta",
-    "MetaAdaGrad",
-    "MetaAdaMax",
-    "MetaAdadelta",
-    "MetaAdagrad",
-    "MetaAdam",
-    "MetaAdamW",
-    "MetaAdamax",
-    "MetaOptimizer",
-    "MetaRAdam",
-    "MetaRMSProp",
-    "MetaRMSprop",
-    "MetaSGD",
-    "ModuleState",
-    "Optimizer",
-    "RAdam",
-    "RMSProp",
-    "RMSprop",
-    "accelerated_op_available",
-    "adadelta",
-    "adagrad",
-    "adam",
-    "adamax",
-    "adamw",
-    "alias",
-    "apply_updates",
-    "chain",
-    "clip_grad_norm",
-    "extract_state_dict",
-    "module_clone",
-    "module_detach_",
-    "nan_to_num",
-    "optim",
-    "radam",
-    "recover_state_dict",
-    "rmsprop",
-    "sgd",
-    "stop_gradient",
-    "update",
-    "utils",
+    "SGD", "AdaDelta", "AdaGrad", "AdaMax", "Adadelta", "Adagrad", "Adam", "AdamW", "Adamax",
+    "FuncOptimizer", "GradientTransformation", "MetaAdaDelta", "MetaAdaGrad", "MetaAdaMax",
+    "MetaAdadelta", "MetaAdagrad", "MetaAdam", "MetaAdamW", "MetaAdamax", "MetaOptimizer",
+    "MetaRAdam", "MetaRMSProp", "MetaRMSprop", "MetaSGD", "ModuleState", "Optimizer", "RAdam",
+    "RMSProp", "RMSprop", "__version__", "accelerated_op", "accelerated_op_available",
+    "adadelta", "adagrad", "adam", "adamax", "adamw", "alias", "apply_updates", "base",
+    "chain", "clip", "clip_grad_norm", "combine", "extract_state_dict", "hook", "module_clone",
+    "module_detach_", "nan_to_num", "optim", "radam", "recover_state_dict", "register_hook",
+    "rmsprop", "schedule", "sgd", "stop_gradient", "transform", "typing", "update", "utils",
 ]

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+
+from metadist.compat.torchopt import _tree
+
+__all__ = ["apply_updates"]
 
 
 def apply_updates(params: Any, updates: Any, *, inplace: bool = True) -> Any:
     """``params + updates`` leaf by leaf (a ``None`` update leaves its parameter alone);
-    ``inplace=True`` (TorchOpt's default) adds into ``p.data`` and returns ``params``."""
+    ``inplace=True`` adds into ``p.data`` and returns ``params``."""
     def add(p: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
         if u is None:
             return p
@@ -19,4 +22,4 @@ def apply_updates(params: Any, updates: Any, *, inplace: bool = True) -> Any:
             return p
         return p.add(u)
 
-    return tree_map(add, params, updates, is_leaf=lambda x: x is None)
+    return _tree.tree_map(add, params, updates)

@@ -21,6 +21,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from metadist.meta.modules import unwrap
 
+__all__ = ["ModuleState", "extract_state_dict", "module_clone", "module_detach_",
+           "recover_state_dict", "stop_gradient"]
+
 CopyMode = Literal["reference", "copy", "deepcopy", "ref", "clone", "deepclone"]
 _MODES = ("reference", "copy", "deepcopy", "ref", "clone", "deepclone")
 
@@ -71,6 +74,14 @@ def _containers(module: nn.Module, with_buffers: bool
     return params, buffers
 
 
+def extract_module_containers(module: nn.Module, with_buffers: bool = True
+                              ) -> tuple[tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]]:
+    """The ``_parameters`` (and ``_buffers``) dicts of ``module`` and its submodules that hold
+    any, each once, in ``modules()`` order."""
+    params, buffers = _containers(unwrap(module), with_buffers)
+    return tuple(params), tuple(buffers)
+
+
 def extract_state_dict(target: Any, *, by: CopyMode = "reference",
                        device: str | torch.device | None = None, with_buffers: bool = True,
                        detach_buffers: bool = False, enable_visual: bool = False,
@@ -79,7 +90,7 @@ def extract_state_dict(target: Any, *, by: CopyMode = "reference",
     tensors taken ``by`` reference, ``copy`` (in the graph) or ``deepcopy`` (detached), moved
     to ``device`` if given. ``enable_visual`` records ``grad_fn``/tensor -> name annotations
     (prefixed by ``visual_prefix``) for graph visualisation."""
-    from metadist.compat.torchopt.optim import MetaOptimizer
+    from metadist.compat.torchopt.optim.meta.base import MetaOptimizer
 
     replicate = _replicator(by, device)
     if isinstance(target, MetaOptimizer):
@@ -110,7 +121,7 @@ def extract_state_dict(target: Any, *, by: CopyMode = "reference",
 def recover_state_dict(target: Any, state: Any) -> None:
     """Put a state from :func:`extract_state_dict` back (tensors rebound, not copied; with
     ``detach_buffers`` the buffers get fresh detached copies)."""
-    from metadist.compat.torchopt.optim import MetaOptimizer
+    from metadist.compat.torchopt.optim.meta.base import MetaOptimizer
 
     if isinstance(target, MetaOptimizer):
         target.load_state_dict(state)
@@ -134,7 +145,7 @@ def module_clone(target: Any, *, by: CopyMode = "reference", detach_buffers: boo
                  device: str | torch.device | None = None) -> Any:
     """A clone of a module or a meta-optimiser (its tensors taken ``by`` and moved to
     ``device``), or of a tree of tensors."""
-    from metadist.compat.torchopt.optim import MetaOptimizer
+    from metadist.compat.torchopt.optim.meta.base import MetaOptimizer
 
     if isinstance(target, nn.Module | MetaOptimizer):
         source = unwrap(target) if isinstance(target, nn.Module) else target
@@ -155,7 +166,7 @@ def module_clone(target: Any, *, by: CopyMode = "reference", detach_buffers: boo
 def stop_gradient(target: Any) -> None:
     """Detach, in place, the tensors of a ModuleState, a module's parameters, a
     meta-optimiser's state or a tree of tensors (``requires_grad`` kept)."""
-    from metadist.compat.torchopt.optim import MetaOptimizer
+    from metadist.compat.torchopt.optim.meta.base import MetaOptimizer
 
     if isinstance(target, ModuleState):
         tensors: Sequence[Any] = tree_leaves((target.params, target.buffers))

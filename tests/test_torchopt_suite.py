@@ -34,12 +34,8 @@ NOT_YET: dict[str, str] = {
     "test_implicit.py": "diff.implicit, linear_solve",
     "test_zero_order.py": "diff.zero_order",
     "test_nn.py": "nn.MetaGradientModule",
-    "test_linalg.py": "linalg",
     "test_import.py::test_diff_import": "diff",
-    "test_import.py::test_linalg_import": "linalg",
-    "test_import.py::test_linear_solve_import": "linear_solve",
     "test_import.py::test_nn_import": "nn",
-    "test_import.py::test_visual_import": "visual",
 }
 
 

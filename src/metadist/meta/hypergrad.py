@@ -216,30 +216,49 @@ def neumann_solve(cfg: NeumannConfig) -> Solve:
     return solve
 
 
+def conjugate_gradient(matvec: Callable[[Vec], Vec], b: Vec, x0: Vec | None = None, *,
+                       maxiter: int, rtol: float = 0.0, atol: float = 0.0,
+                       precond: Callable[[Vec], Vec] | None = None,
+                       positive_definite: bool = False) -> list[Tensor]:
+    """x with ``matvec(x) = b`` by (preconditioned) conjugate gradient over flat lists of
+    tensors: from ``x0`` (zeros), at most ``maxiter`` products, stopping once
+    ``<r, M r>`` (``<r, r>`` without a preconditioner) is at most
+    ``max(rtol**2 <b, b>, atol**2)``. The step sizes stay tensors, so the result is in the
+    autograd graph of ``b`` and of ``matvec``. ``positive_definite`` raises on a direction of
+    non-positive curvature (:func:`cg_solve`'s check); without it the iteration runs on, as
+    TorchOpt's ``linalg.cg`` does."""
+    x = [torch.zeros_like(t) for t in b] if x0 is None else list(x0)
+    r = list(b) if x0 is None else [bi - ai for bi, ai in zip(b, matvec(x), strict=True)]
+    z = r if precond is None else list(precond(r))
+    p = z
+    gamma = _dot(r, z)
+    stop = max(rtol**2 * _dot(b, b).item(), atol**2)
+    for _ in range(maxiter):
+        # Synced values are identical on every rank, so all ranks leave at the same step.
+        residual = gamma if precond is None else _dot(r, r)
+        if residual.item() <= stop:
+            break
+        hp = matvec(p)
+        curvature = _dot(p, hp)
+        if positive_definite and curvature.item() <= 0:
+            raise ValueError("cg: the inner Hessian is not positive definite at params "
+                             f"(p.Hp = {curvature.item():.3g}); pass the inner solution, "
+                             "or use 'neumann' with a small alpha")
+        a = gamma / curvature
+        x = [xi + a * pi for xi, pi in zip(x, p, strict=True)]
+        r = [ri - a * hi for ri, hi in zip(r, hp, strict=True)]
+        z = r if precond is None else list(precond(r))
+        gamma, gamma_old = _dot(r, z), gamma
+        p = [zi + (gamma / gamma_old) * pi for zi, pi in zip(z, p, strict=True)]
+    return x
+
+
 def cg_solve(cfg: CGConfig) -> Solve:
     """inv(H) v by conjugate gradient, stopping at ``cfg.tol``; raises on non-positive
     curvature."""
     def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
-        x = [torch.zeros_like(t) for t in v]
-        r, p = list(v), list(v)
-        rr = _dot(r, r)
-        stop = cfg.tol**2 * rr.item()
-        for _ in range(cfg.iterations):
-            # Synced values are identical on every rank, so all ranks leave at the same step.
-            if rr.item() <= stop:
-                break
-            hp = hvp(p)
-            curvature = _dot(p, hp)
-            if curvature.item() <= 0:
-                raise ValueError("cg: the inner Hessian is not positive definite at params "
-                                 f"(p.Hp = {curvature.item():.3g}); pass the inner solution, "
-                                 "or use 'neumann' with a small alpha")
-            a = rr / curvature
-            x = [xi + a * pi for xi, pi in zip(x, p, strict=True)]
-            r = [ri - a * hi for ri, hi in zip(r, hp, strict=True)]
-            rr, rr_old = _dot(r, r), rr
-            p = [ri + (rr / rr_old) * pi for ri, pi in zip(r, p, strict=True)]
-        return x
+        return conjugate_gradient(hvp, v, maxiter=cfg.iterations, rtol=cfg.tol,
+                                  positive_definite=True)
 
     return solve
 

@@ -3,6 +3,8 @@ tolerances, the rank-synchronised loss scaler, reduce dtypes, and the errors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -105,9 +107,10 @@ def test_reduce_dtype_halves_gradient_bytes_and_tracks_fp32(strategy: str) -> No
         assert half_bytes > 0
 
 
-def _local_inf_flag() -> None:
+@contextmanager
+def _local_inf_flag(enabled: bool) -> Iterator[None]:
     """The scaler's inf/NaN flag kept on each rank, not all-reduced: the broken path the
-    overflow tests must catch."""
+    overflow tests must catch; restored on exit (the ranks are pooled)."""
     from metadist.precision import LossScaler
 
     @torch.no_grad()
@@ -116,7 +119,13 @@ def _local_inf_flag() -> None:
         norms = torch._foreach_norm(grads, float("inf")) if grads else []
         return not all(torch.isfinite(n).item() for n in norms)
 
-    LossScaler._found_inf = found_inf  # type: ignore[method-assign]
+    all_reduced = LossScaler._found_inf
+    if enabled:
+        LossScaler._found_inf = found_inf  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LossScaler._found_inf = all_reduced  # type: ignore[method-assign]
 
 
 def _scaled_training_with_overflow(strategy: str, where: str = "backward",
@@ -129,8 +138,11 @@ def _scaled_training_with_overflow(strategy: str, where: str = "backward",
     an inf in one of the gradients its optimizer steps: only rank 1's local check can see it,
     so every other rank skips the step only through the all-reduced flag.
     ``local_flag``: that all-reduce removed (the test of the test)."""
-    if local_flag:
-        _local_inf_flag()
+    with _local_inf_flag(local_flag):
+        return _overflow_run(strategy, where)
+
+
+def _overflow_run(strategy: str, where: str) -> dict[str, Any]:
     w = metadist.world()
     s = metadist.strategy(strategy, precision="16-mixed")
     net = make_net(batchnorm=False)

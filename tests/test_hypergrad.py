@@ -9,7 +9,8 @@ dF/dlam = 0.02 lam - exp(lam) * theta* * inv(H) dF/dtheta(theta*).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,7 +28,13 @@ from metadist.meta import (
 )
 from metadist.testing import run_on_ranks
 
-RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (tests/parity.py)
+# Synced across ranks against one process, float64: both sides are computed on the machine
+# running the test and differ only in the order the ranks' means are summed. Measured here
+# (entries up to 0.62): at most 3.3e-16 for neumann, cg and unrolled, 1.9e-15 for darts,
+# whose central difference divides rounding by its step (r / |v|). 1e-12 leaves ~500x for
+# another CPU's summation order; the float32 parity tolerances (rtol 1.3e-6 / atol 1e-5)
+# let a sync that reduced in float32 pass (errors 1.2e-8 to 5.2e-7).
+SYNCED_ATOL = 1e-12
 D, N_TRAIN, N_VAL = 5, 24, 12  # divisible by the world sizes 2 and 3
 # Eigenvalues of H at LAM lie in [1.16, 2.95] (checked in _spectrum): well conditioned, so
 # few iterations reach rounding level. Per-rank Hessians (a third of the data) reach 4.55,
@@ -212,9 +219,36 @@ def test_errors_name_the_choices() -> None:
 NAIVE = ("neumann", "cg")
 
 
-def _hypergrads_on_rank() -> dict[str, Tensor]:
+@contextmanager
+def _reduce_in_float32(enabled: bool) -> Iterator[None]:
+    """A sync whose all-reduce runs in float32 (a float64 problem's means rounded to float32):
+    the broken path of the test of the test; restored on exit (the ranks are pooled)."""
+    from metadist.comm import functional
+
+    reduce_many = functional.all_reduce_many
+
+    def in_float32(tensors: list[Tensor], op: str, *args: object,
+                   **kwargs: object) -> list[Tensor]:
+        out = reduce_many([t.float() for t in tensors], op, *args, **kwargs)
+        return [o.to(t.dtype) for o, t in zip(out, tensors, strict=True)]
+
+    if enabled:
+        functional.all_reduce_many = in_float32  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        functional.all_reduce_many = reduce_many  # type: ignore[assignment]
+
+
+def _hypergrads_on_rank(float32_sync: bool = False) -> dict[str, Tensor]:
     """Each rank holds a contiguous slice of the training and validation data; its losses are
-    means over its slice (the regulariser in full: the mean over ranks keeps it once)."""
+    means over its slice (the regulariser in full: the mean over ranks keeps it once).
+    ``float32_sync``: the sync's reduction rounded to float32 (the test of the test)."""
+    with _reduce_in_float32(float32_sync):
+        return _synced_hypergrads()
+
+
+def _synced_hypergrads() -> dict[str, Tensor]:
     w = metadist.world()
     x, y, xv, yv = _data()
     per, per_v = N_TRAIN // w.world_size, N_VAL // w.world_size
@@ -242,7 +276,7 @@ def test_synced_hypergradients_equal_single_process(world_size: int) -> None:
     results = run_on_ranks(_hypergrads_on_rank, world_size)
     for rank, got in enumerate(results):
         for method in CONFIGS:
-            torch.testing.assert_close(got[method], want[method], rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(got[method], want[method], rtol=0, atol=SYNCED_ATOL,
                                        msg=lambda m, method=method, rank=rank:
                                        f"{method} rank {rank}: {m}")
     # Our differentiator: averaging per-rank implicit hypergradients is a different (wrong)
@@ -253,3 +287,16 @@ def test_synced_hypergradients_equal_single_process(world_size: int) -> None:
         naive = torch.stack([got["naive_" + method] for got in results]).mean(0)
         gap = (naive - want[method]).abs().max().item()
         assert gap > 1e-3, f"naive {method} average unexpectedly matches ({gap:.2g})"
+
+
+def test_a_float32_sync_fails_the_synced_check() -> None:
+    """The test of the test above: a sync that reduces in float32 is off by far more than
+    SYNCED_ATOL for every method, though within the float32 parity tolerances."""
+    lam = _lam()
+    outer, inner = _losses(*_data())
+    want = {m: hypergradient(m, outer, inner, _start(m, lam), (lam,), c)[0]
+            for m, c in CONFIGS.items()}
+    for got in run_on_ranks(_hypergrads_on_rank, 2, args=(True,)):
+        for method in CONFIGS:
+            gap = (got[method] - want[method]).abs().max().item()
+            assert 1000 * SYNCED_ATOL < gap < 1e-5, (method, gap)

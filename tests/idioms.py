@@ -31,7 +31,15 @@ from meta import (
     penalty_reference,
     sinusoid_tasks,
 )
-from metadist.meta import MetaSGD, module_clone
+from metadist.meta import (
+    MetaAdam,
+    MetaAdamW,
+    MetaOptimizer,
+    MetaSGD,
+    extract_state_dict,
+    module_clone,
+    recover_state_dict,
+)
 from metadist.strategies import DistributedModule
 from parity import loss_fn, shard
 
@@ -54,7 +62,7 @@ def _final(model: DistributedModule) -> Params:
     return {n: p.detach().clone() for n, p in model.full_parameters().items()}
 
 
-# ----- second-order MAML: five ways to write the inner loop -------------------------------------
+# ----- second-order MAML: the ways to write the inner loop -------------------------------------
 # Smaller than tests/meta.py's MAML (whose 1-40-40-1 net and 12 tasks cost seconds per run):
 # every idiom runs in every cell of the matrix.
 TASKS, SHOTS, INNER_STEPS, INNER_LR, OUTER_STEPS = 6, 5, 3, 0.1, 10
@@ -78,8 +86,44 @@ def _adapt(forward: Callable[[Params, Tensor], Tensor], params: Params, x: Tenso
     return params
 
 
-def maml_reference() -> Params:
-    """One process, every task: the result all five MAML idioms must reproduce."""
+# The inner Adam/AdamW of the MetaAdam/MetaAdamW clone idioms, and its hyperparameters.
+ADAM_LR, BETAS, EPS, DECAY = 0.03, (0.9, 0.999), 1e-8, 0.01
+
+
+def _adapt_adam(decoupled: bool) -> Callable[[Callable[[Params, Tensor], Tensor], Params,
+                                              Tensor, Tensor], Params]:
+    """torch.optim.Adam's (``decoupled``: AdamW's) update written out in plain tensor algebra,
+    kept in the graph: the reference the MetaAdam/MetaAdamW idioms must reproduce."""
+    def adapt(forward: Callable[[Params, Tensor], Tensor], params: Params, x: Tensor,
+              y: Tensor) -> Params:
+        (b1, b2), m, v = BETAS, {n: torch.zeros_like(p) for n, p in params.items()}, {
+            n: torch.zeros_like(p) for n, p in params.items()}
+        for t in range(1, INNER_STEPS + 1):
+            grads = dict(zip(params, torch.autograd.grad(
+                loss_fn(forward(params, x), y), list(params.values()), create_graph=True),
+                strict=True))
+            new = {}
+            for n, p in params.items():
+                g = grads[n] if decoupled else grads[n] + DECAY * p
+                start = p * (1 - ADAM_LR * DECAY) if decoupled else p
+                m[n] = b1 * m[n] + (1 - b1) * g
+                v[n] = b2 * v[n] + (1 - b2) * g * g
+                denom = v[n].sqrt() / (1 - b2**t) ** 0.5 + EPS
+                new[n] = start - ADAM_LR / (1 - b1**t) * m[n] / denom
+            params = new
+        return params
+
+    return adapt
+
+
+INNER: dict[str, Callable[[Callable[[Params, Tensor], Tensor], Params, Tensor, Tensor],
+                          Params]] = {
+    "sgd": _adapt, "adam": _adapt_adam(decoupled=False), "adamw": _adapt_adam(decoupled=True)}
+
+
+def maml_reference(inner: str = "sgd") -> Params:
+    """One process, every task: the result the MAML idioms must reproduce (``inner``: the
+    inner loop's optimiser, written out in plain PyTorch)."""
     net = maml_net()
     opt = torch.optim.Adam(net.parameters(), lr=1e-2)
 
@@ -90,7 +134,7 @@ def maml_reference() -> Params:
         opt.zero_grad()
         total = torch.zeros(())
         for xs, ys, xq, yq in maml_tasks(step):
-            fast = _adapt(forward, dict(net.named_parameters()), xs, ys)
+            fast = INNER[inner](forward, dict(net.named_parameters()), xs, ys)
             total = total + loss_fn(forward(fast, xq), yq) / TASKS
         total.backward()
         opt.step()
@@ -150,18 +194,54 @@ def maml_full_parameters(strategy: str, options: dict[str, Any]) -> Params:
     return _maml(strategy, options, _mean_query(_query_via_functional_forward))
 
 
-def _query_via_clone(model: DistributedModule, task: Task) -> Tensor:
-    xs, ys, xq, yq = task
-    clone = module_clone(model, by="copy")
-    inner = MetaSGD(clone, INNER_LR)  # plain differentiable SGD: the reference's inner step
-    for _ in range(INNER_STEPS):
-        inner.step(loss_fn(clone(xs), ys))
-    return loss_fn(clone(xq), yq)
+def _query_via_clone(make: Callable[[nn.Module], MetaOptimizer]
+                     ) -> Callable[[DistributedModule, Task], Tensor]:
+    def query(model: DistributedModule, task: Task) -> Tensor:
+        xs, ys, xq, yq = task
+        clone = module_clone(model, by="copy")
+        inner = make(clone)
+        for _ in range(INNER_STEPS):
+            inner.step(loss_fn(clone(xs), ys))
+        return loss_fn(clone(xq), yq)
+
+    return query
 
 
 def maml_module_clone(strategy: str, options: dict[str, Any]) -> Params:
-    """A graph-connected clone of the wrapped model per task, stepped by MetaSGD."""
-    return _maml(strategy, options, _mean_query(_query_via_clone))
+    """A graph-connected clone of the wrapped model per task, stepped by MetaSGD (plain
+    differentiable SGD: the reference's inner step)."""
+    return _maml(strategy, options, _mean_query(_query_via_clone(
+        lambda clone: MetaSGD(clone, INNER_LR))))
+
+
+def maml_module_clone_adam(strategy: str, options: dict[str, Any]) -> Params:
+    """The same clone stepped by MetaAdam (coupled weight decay)."""
+    return _maml(strategy, options, _mean_query(_query_via_clone(
+        lambda clone: MetaAdam(clone, ADAM_LR, BETAS, EPS, weight_decay=DECAY))))
+
+
+def maml_module_clone_adamw(strategy: str, options: dict[str, Any]) -> Params:
+    """The same clone stepped by MetaAdamW (decoupled weight decay)."""
+    return _maml(strategy, options, _mean_query(_query_via_clone(
+        lambda clone: MetaAdamW(clone, ADAM_LR, BETAS, EPS, weight_decay=DECAY))))
+
+
+def _query_in_place(model: DistributedModule, task: Task) -> Tensor:
+    xs, ys, xq, yq = task
+    saved = extract_state_dict(model)  # the wrapped model's own parameters, by reference
+    inner = MetaSGD(model, INNER_LR)
+    for _ in range(INNER_STEPS):
+        inner.step(loss_fn(model(xs), ys))
+    query = loss_fn(model(xq), yq)
+    recover_state_dict(model, saved)  # the next task starts from the real parameters
+    return query
+
+
+def maml_meta_sgd_in_place(strategy: str, options: dict[str, Any]) -> Params:
+    """TorchOpt's idiom: MetaSGD bound to the wrapped model itself, its parameters taken with
+    extract_state_dict and put back with recover_state_dict after each task. Under sharding
+    strategies the wrapped model holds shards: refused."""
+    return _maml(strategy, options, _mean_query(_query_in_place))
 
 
 def _vmapped_tasks(model: DistributedModule, tasks: list[Task]) -> Tensor:
@@ -258,6 +338,9 @@ IDIOMS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
     "maml_functional_call_full": maml_functional_call_full,
     "maml_full_parameters": maml_full_parameters,
     "maml_module_clone": maml_module_clone,
+    "maml_module_clone_adam": maml_module_clone_adam,
+    "maml_module_clone_adamw": maml_module_clone_adamw,
+    "maml_meta_sgd_in_place": maml_meta_sgd_in_place,
     "maml_torch_func": maml_torch_func,
     "penalty_usual": penalty_usual,
     "penalty_local_portable": penalty_local_portable,
@@ -269,7 +352,8 @@ IDIOMS: dict[str, Callable[[str, dict[str, Any]], Any]] = {
 def reference(idiom: str, world: int) -> Any:
     """The single-process result ``idiom`` must match on ``world`` ranks."""
     if idiom.startswith("maml_"):
-        return maml_reference()
+        return maml_reference(idiom.removeprefix("maml_module_clone_")
+                              if idiom.startswith("maml_module_clone_") else "sgd")
     if idiom in ("penalty_usual", "penalty_local_portable"):
         return penalty_local_reference(world)
     if idiom == "penalty_global":

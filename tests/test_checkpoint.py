@@ -111,7 +111,16 @@ RESHARD = [  # (save strategy, ranks, format) -> (load strategy, ranks)
     ("ddp", 2, "full", "zero3", 3),
     ("zero3", 3, "sharded", "zero3", 2),
     ("single", 1, "sharded", "zero1", 2),
+    # with the rows above, every strategy saves and loads each format
+    ("zero2", 2, "sharded", "single", 1),
+    ("zero3", 2, "full", "hsdp", 4),
+    ("hsdp", 2, "full", "zero1", 3),
+    ("zero1", 2, "full", "single", 1),
+    ("single", 1, "full", "zero2", 2),
 ]
+SAVED = {(saver, fmt) for saver, _, fmt, _, _ in RESHARD}
+LOADED = {(loader, fmt) for _, _, fmt, loader, _ in RESHARD}
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -124,6 +133,12 @@ def test_resume_elsewhere_continues_as_if_uninterrupted(
     _run(saver, n1, _train_and_save, optimizer, path, fmt)
     for rank, got in enumerate(_run(loader, n2, _load_and_train, optimizer, path)):
         assert_parity(got, want, f"{saver}x{n1} {fmt} -> {loader}x{n2} rank {rank} {optimizer}")
+
+
+def test_every_strategy_saves_and_loads_each_format() -> None:
+    """What the README claims of RESHARD, kept true as rows change."""
+    every = {(s, fmt) for s in STRATEGIES for fmt in ("sharded", "full")}
+    assert every - SAVED == set() and every - LOADED == set(), (every - SAVED, every - LOADED)
 
 
 def test_consolidated_file_loads_everywhere_and_with_plain_torch(tmp_path: Path) -> None:

@@ -95,13 +95,23 @@ def _single_process(op: str, n: int,
         objective = sum(_loss(_reference(op, xs, r), triples[r][1]) for r in range(n))
     grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(
         torch.autograd.grad(objective, xs, create_graph=True, allow_unused=True), xs, strict=True)]
-    second = sum((g * v).sum() for g, (_, _, v) in zip(grads, triples, strict=True))
     if replicated:
-        second = (grads[0] * triples[0][2]).sum()
-    hess = (torch.autograd.grad(second, xs, allow_unused=True) if second.requires_grad
-            else [None] * n)
-    return [g.detach() for g in grads], [
-        h if h is not None else torch.zeros_like(x) for h, x in zip(hess, xs, strict=True)]
+        # Each rank differentiates its own g_r . v (v shared) with respect to its own input:
+        # the objective is every rank's, so nothing of the other ranks' terms comes back.
+        hess = [_partial((g * v).sum(), x) for g, x, (_, _, v) in zip(grads, xs, triples,
+                                                                       strict=True)]
+    else:  # the per-rank objectives' sum, differentiated with respect to every rank's input
+        second = sum((g * v).sum() for g, (_, _, v) in zip(grads, triples, strict=True))
+        hess = [_partial(second, x) for x in xs]
+    return [g.detach() for g in grads], hess
+
+
+def _partial(scalar: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """d scalar / d x, zero where the scalar does not depend on x."""
+    if not scalar.requires_grad:
+        return torch.zeros_like(x)
+    (h,) = torch.autograd.grad(scalar, x, retain_graph=True, allow_unused=True)
+    return h if h is not None else torch.zeros_like(x)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -117,14 +127,12 @@ def test_per_rank_convention_first_and_second_order(op: str, n: int) -> None:
 @pytest.mark.parametrize("n", [2, 3])
 # Ops whose output is the same on every rank, so a shared objective is meaningful.
 @pytest.mark.parametrize("op", ["all_reduce_sum", "all_reduce_mean", "all_gather", "broadcast"])
-def test_replicated_convention_first_order(op: str, n: int) -> None:
+def test_replicated_convention_first_and_second_order(op: str, n: int) -> None:
     got = run_on_ranks(_distributed, n, args=(op, "replicated"))
     grads, hess = _single_process(op, n, "replicated")
     for r, (g, h) in enumerate(got):
         torch.testing.assert_close(g, grads[r], msg=lambda m, r=r: f"grad rank {r}: {m}")
-        if op.startswith("all_reduce"):
-            # Every rank holds the same gradient, so the second-order objective is shared too.
-            torch.testing.assert_close(h, hess[r], msg=lambda m, r=r: f"second order rank {r}: {m}")
+        torch.testing.assert_close(h, hess[r], msg=lambda m, r=r: f"second order rank {r}: {m}")
 
 
 def _fused_sync() -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,6 @@ STRATEGIES: dict[str, dict[str, object]] = {
 LAYOUTS = {name: [(n, 1) for n in (1, 2, 3, 4)] for name in STRATEGIES}
 LAYOUTS["hsdp"] = [(2, 2), (4, 2)]
 CASES = [(name, n, nodes) for name, layouts in LAYOUTS.items() for n, nodes in layouts]
-SECOND_ORDER = [(name, n, nodes) for name, n, nodes in CASES if n in (2, 3, 4) and (
-    n != 4 or name == "hsdp")]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,7 @@ def test_second_order_maml_matches_single_process(
         assert_tensors_close(got, maml_want[per_task_backward], f"{strategy} n={n} rank={rank}")
 
 
-@pytest.mark.parametrize(("strategy", "n", "nnodes"), SECOND_ORDER)
+@pytest.mark.parametrize(("strategy", "n", "nnodes"), CASES)
 def test_gradient_norm_penalty_matches_single_process(strategy: str, n: int,
                                                       nnodes: int) -> None:
     want = penalty_reference()
@@ -55,7 +53,7 @@ def test_gradient_norm_penalty_matches_single_process(strategy: str, n: int,
         assert_tensors_close(got, want, f"{strategy} n={n} rank={rank}")
 
 
-@pytest.mark.parametrize(("strategy", "n", "nnodes"), SECOND_ORDER)
+@pytest.mark.parametrize(("strategy", "n", "nnodes"), CASES)
 def test_synced_hypergradient_matches_single_process(strategy: str, n: int,
                                                      nnodes: int) -> None:
     params, decay, hypers = hyper_reference()

@@ -266,7 +266,7 @@ def test_model_on_the_meta_device_says_to_materialize_it() -> None:
 
 
 def _shard(strategy: str, optimizer: str) -> str:
-    net = nn.Linear(6, 4)
+    net = nn.Linear(6, 4, bias=optimizer != "Muon")  # torch's Muon takes only matrices
     make = getattr(torch.optim, optimizer)
     try:
         metadist.strategy(strategy).setup(net, make(net.parameters()))
@@ -277,7 +277,8 @@ def _shard(strategy: str, optimizer: str) -> str:
 
 def test_optimizers_that_cannot_step_a_shard() -> None:
     cases = [("zero1", "LBFGS"), ("zero3", "LBFGS"), ("zero2", "Adafactor"),
-             ("zero3", "Adafactor"), ("zero3", "Adam")]
+             ("zero3", "Adafactor"), ("zero3", "Adam"), ("zero2", "Muon"), ("zero3", "Muon"),
+             ("hsdp", "Muon"), ("hsdp", "Adafactor")]
     got = run_on_ranks(_shard_all, 2, args=(cases,))[0]
     lbfgs = ("LBFGS cannot be sharded: its line search and curvature pairs read every "
              "parameter at once, and each rank steps only its share of them. Use a replicated "
@@ -288,6 +289,12 @@ def test_optimizers_that_cannot_step_a_shard() -> None:
                              "hsdp): it factors each matrix's second moment over its rows and "
                              "columns. Use zero1 or zero2")
     assert got[4] == "no error"
+    assert got[5] == "no error"
+    for muon in got[6:8]:
+        assert muon.startswith("Muon cannot step flat slices of parameters (zero3, fsdp, "
+                               "hsdp): it orthogonalises each matrix's update as a whole. Use "
+                               "zero1 or zero2"), muon
+    assert got[8] == got[3]
 
 
 def _shard_all(cases: list[tuple[str, str]]) -> list[str]:

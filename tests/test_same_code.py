@@ -46,6 +46,11 @@ EXPECTED: dict[str, dict[str, str | Raises]] = {
     "maml_functional_call_full": _table(),
     "maml_full_parameters": _table(),
     "maml_module_clone": _table(),
+    "maml_module_clone_adam": _table(),
+    "maml_module_clone_adamw": _table(),
+    # Stepping the wrapped model in place would step a gathered copy, not the shards.
+    "maml_meta_sgd_in_place": _table(Raises("ValueError", (r"holds parameter shards",
+                                                           r"module_clone\(model, by='copy'\)"))),
     "maml_torch_func": _table(),
     # autograd.grad with respect to shards is not the gradient of this rank's loss: refused.
     "penalty_usual": _table(Raises("RuntimeError", (r"autograd\.grad", r"shard"))),

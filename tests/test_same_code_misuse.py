@@ -33,7 +33,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _options(strategy: str) -> dict[str, Any]:
-    return SHARDED if strategy in ("zero3", "hsdp") else {}
+    return SHARDED if strategy in ("zero3", "fsdp", "hsdp") else {}
 
 
 def _train(strategy: str, how: str, precision: str = "32-true") -> Any:
@@ -62,15 +62,19 @@ def _train(strategy: str, how: str, precision: str = "32-true") -> Any:
 
 # ddp syncs every backward whichever optimizer steps; zero3/hsdp's optimizer steps the shards
 # and every gather reads their current version. zero1/zero2 must step through their own hooks.
-WORKS = ("ddp", "zero3", "hsdp")
+WORKS = ("single", "ddp", "zero3", "fsdp", "hsdp")
 REFUSES = ("zero1", "zero2")
+STRATEGIES = (*WORKS, *REFUSES)
+# The cells of docs/meta-learning.md's table: single on its one rank, the others at 2 and 3.
+CELLS = [("single", 1)] + [(s, n) for s in STRATEGIES[1:] for n in (2, 3)]
 
 
 @pytest.mark.parametrize("how", ["after_setup", "replaced"])
-@pytest.mark.parametrize("strategy", [*WORKS, *REFUSES])
-def test_an_optimizer_the_strategy_never_saw_is_exact_or_refused(strategy: str, how: str) -> None:
-    want = run_on_ranks(_train, 2, args=(strategy, "documented"))
-    got = run_on_ranks(_train, 2, args=(strategy, how))
+@pytest.mark.parametrize(("strategy", "n"), CELLS)
+def test_an_optimizer_the_strategy_never_saw_is_exact_or_refused(strategy: str, n: int,
+                                                                 how: str) -> None:
+    want = run_on_ranks(_train, n, args=(strategy, "documented"))
+    got = run_on_ranks(_train, n, args=(strategy, how))
     if strategy in REFUSES:
         for message in got:
             assert isinstance(message, str), "a zero1/zero2 step on a foreign optimizer ran"
@@ -81,7 +85,7 @@ def test_an_optimizer_the_strategy_never_saw_is_exact_or_refused(strategy: str, 
     for rank, (g, w) in enumerate(zip(got, want, strict=True)):
         assert not isinstance(g, str), g
         assert_tensors_close(g, w, f"{strategy} {how} rank {rank}")
-    assert_tensors_close(got[0], got[1], f"{strategy} {how}: ranks differ")
+        assert_tensors_close(g, got[0], f"{strategy} {how}: rank {rank} differs from rank 0")
 
 
 def test_the_refused_optimizer_is_accepted_once_set_up() -> None:
@@ -117,12 +121,15 @@ def test_16_mixed_refuses_an_optimizer_that_would_step_scaled_gradients() -> Non
         assert isinstance(message, str) and "16-mixed" in message and "unscales" in message
 
 
-def _backward_without_setup(where: str) -> str:
-    s = metadist.strategy("ddp")
+def _backward_without_setup(strategy: str, where: str) -> str:
+    s = metadist.strategy(strategy, **_options(strategy))
     net = _net()
     x, y = _batch(0)
     if where == "extra_parameter":
-        model, _ = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        try:
+            model, _ = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        except ValueError as e:  # 'single' on 2+ ranks: refused before any parameter exists
+            return f"setup: {e}"
         temperature = nn.Parameter(torch.ones(()))  # belongs to no set-up module
         loss = ((model(x) / temperature - y) ** 2).mean()
     else:
@@ -132,11 +139,18 @@ def _backward_without_setup(where: str) -> str:
     return str(info.value)
 
 
-def test_backward_on_a_model_that_never_went_through_setup_raises() -> None:
-    for message in run_on_ranks(_backward_without_setup, 2, args=("no_setup",)):
-        assert "reaches no parameter of a module set up by a strategy" in message
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_backward_on_a_model_that_never_went_through_setup_raises(strategy: str, n: int) -> None:
+    for message in run_on_ranks(_backward_without_setup, n, args=(strategy, "no_setup")):
+        name = "zero3" if strategy == "fsdp" else strategy  # fsdp is zero3's other name
+        assert f"strategy {name!r}: this loss reaches no parameter of a module set up by a " \
+               "strategy" in message
         assert "strategy.setup(net, optimizer)" in message
-    for message in run_on_ranks(_backward_without_setup, 2, args=("extra_parameter",)):
+    for message in run_on_ranks(_backward_without_setup, n, args=(strategy, "extra_parameter")):
+        if strategy == "single":
+            assert message.startswith("setup: strategy 'single' runs one process"), message
+            continue
         assert "1 nn.Parameter(s) that belong to no module set up by a strategy" in message
 
 

@@ -50,23 +50,27 @@ def test_sharded_strategies_match_single_process(strategy: str, n: int, optimize
         assert_parity(got, want, f"{strategy} n={n} rank={rank} {optimizer}")
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("strategy", sorted(SHARDED))
-def test_gradient_accumulation_with_no_sync(strategy: str, n: int) -> None:
-    want = reference("adam", accumulate=2, world=n)
-    for got in run_on_ranks(train_on_rank, n, args=(strategy, "adam", 2, True, SHARDED[strategy])):
-        assert_parity(got, want, f"{strategy} n={n} accumulate=2")
+def test_gradient_accumulation_with_no_sync(strategy: str, n: int, optimizer: str) -> None:
+    want = reference(optimizer, accumulate=2, world=n)
+    for got in run_on_ranks(train_on_rank, n,
+                            args=(strategy, optimizer, 2, True, SHARDED[strategy])):
+        assert_parity(got, want, f"{strategy} n={n} {optimizer} accumulate=2")
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize(("n", "nnodes"), [(4, 2), (2, 2), (3, 1)])
-def test_hsdp_matches_single_process(n: int, nnodes: int) -> None:
+def test_hsdp_matches_single_process(n: int, nnodes: int, accumulate: int) -> None:
     # 2 nodes x 2 ranks: shard within a node, replicate across nodes
-    for optimizer in ("sgd", "adamw"):
-        want = reference(optimizer, world=n)
+    for optimizer in ("sgd", "adam", "adamw"):
+        want = reference(optimizer, accumulate, world=n)
         out = run_on_ranks(train_on_rank, n, nnodes=nnodes,
-                           args=("hsdp", optimizer, 1, True, {"min_unit_params": 40}))
+                           args=("hsdp", optimizer, accumulate, True, {"min_unit_params": 40}))
         for rank, got in enumerate(out):
-            assert_parity(got, want, f"hsdp n={n} nnodes={nnodes} rank={rank} {optimizer}")
+            assert_parity(got, want, f"hsdp n={n} nnodes={nnodes} rank={rank} {optimizer} "
+                                     f"accumulate={accumulate}")
 
 
 # ----- state dicts ------------------------------------------------------------------------

@@ -164,15 +164,21 @@ def test_training_api() -> None:
         assert got["keys"] == ["bias", "weight"]  # checkpoints speak the user's module
 
 
-def _starts_from_rank_zero() -> list[float]:
-    torch.manual_seed(metadist.world().rank)  # different init on every rank
-    net = nn.Linear(3, 1)
-    model = metadist.strategy("ddp").setup_module(net)
-    return model.module.weight.detach().flatten().tolist()
+def _starts_from_rank_zero(strategy: str) -> dict[str, list[float]]:
+    rank = metadist.world().rank
+    torch.manual_seed(rank)  # different init on every rank, parameters and buffers
+    net = _Recorder()
+    with torch.no_grad():
+        net.b.uniform_()
+    # broadcast_buffers=False: no forward broadcast could mask a buffer setup left behind
+    model = metadist.strategy(strategy, broadcast_buffers=False).setup_module(net)
+    return {k: v.flatten().tolist() for k, v in model.state_dict().items()}
 
 
-def test_setup_broadcasts_rank_zeros_parameters() -> None:
-    out = run_on_ranks(_starts_from_rank_zero, 3)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
+def test_setup_broadcasts_rank_zeros_parameters_and_buffers(strategy: str) -> None:
+    out = run_on_ranks(_starts_from_rank_zero, 3, args=(strategy,))
+    assert sorted(out[0]) == ["b", "lin.bias", "lin.weight"]
     assert out[0] == out[1] == out[2]
 
 

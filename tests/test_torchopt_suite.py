@@ -29,14 +29,6 @@ PER_FILE = 40
 
 #: tests that pass on TorchOpt and cannot on the compat layer, by design: id prefix -> reason
 BY_DESIGN: dict[str, str] = {}
-#: not implemented yet (issue 27): id prefix -> what is missing
-NOT_YET: dict[str, str] = {
-    "test_implicit.py": "diff.implicit, linear_solve",
-    "test_zero_order.py": "diff.zero_order",
-    "test_nn.py": "nn.MetaGradientModule",
-    "test_import.py::test_diff_import": "diff",
-    "test_import.py::test_nn_import": "nn",
-}
 
 
 def _run(side: str, out: Path) -> subprocess.Popen[bytes]:
@@ -88,7 +80,7 @@ def test_torchopt_suite_passes_on_the_compat_layer(tmp_path: Path) -> None:
     assert real, f"the run against TorchOpt ran nothing:\n{logs['real'][-4000:]}"
     assert not results["real"]["collection_errors"], results["real"]["collection_errors"]
     missing = [n for n, o in real.items() if o == "passed" and compat.get(n) != "passed"
-               and not any(n.startswith(p) for p in (*BY_DESIGN, *NOT_YET))]
+               and not any(n.startswith(p) for p in BY_DESIGN)]
     detail = "\n".join(f"  {n}: {compat.get(n, 'not run')}" for n in missing[:40])
     errors = "\n".join(f"{f}:\n{r[-1500:]}" for f, r in list(broken.items())[:3])
     assert not missing, (f"{len(missing)} tests pass on TorchOpt and not on the compat "

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from metadist.meta.directional import ReinforceConfig, SamaConfig
 from metadist.meta.methods import Solve, Vec, hypergradient_method
@@ -202,6 +202,25 @@ def _grad_of(g: Sequence[Tensor], inputs: Sequence[Tensor], w: Vec) -> tuple[Ten
     out = torch.autograd.grad([gi for gi, _ in live], list(inputs), [wi for _, wi in live],
                               retain_graph=True, allow_unused=True, materialize_grads=True)
     return tuple(out)
+
+
+def root_vjp(residual: Callable[..., Any], solution: Any, inputs: Sequence[Any],
+             cotangent: Any, solve: Callable[[Callable[[Any], Any], Any], Any]
+             ) -> tuple[Any, ...]:
+    """The vector-Jacobian product of a root: ``x*(inputs)`` solves
+    ``residual(x*, *inputs) = 0`` (an optimality condition, e.g. dG/dtheta = 0, whose
+    Jacobians A = d residual/dx and B = d residual/d inputs are taken at the given
+    ``solution``), and the result is ``cotangent^T dx*/d inputs = B^T u`` with
+    ``A^T u = -cotangent`` solved by ``solve(matvec, b)`` (:func:`conjugate_gradient` and the
+    Neumann series are such solvers; for A = H symmetric and B = M this is
+    :func:`implicit_product`'s -M.inv(H) v). ``solution``, ``inputs`` and ``cotangent`` are
+    pytrees of tensors, one gradient pytree per input is returned; the products are
+    ``torch.func`` VJPs, so ``solve`` may itself differentiate ``matvec`` (normal equations,
+    a materialised Jacobian). Unlike the methods above this is local: it syncs nothing."""
+    vjp_solution = torch.func.vjp(lambda x: residual(x, *inputs), solution)[1]
+    u = solve(lambda w: vjp_solution(w)[0], tree_map(torch.neg, cotangent))
+    vjp_inputs = torch.func.vjp(lambda *xs: residual(solution, *xs), *inputs)[1]
+    return tuple(vjp_inputs(u))
 
 
 def neumann_solve(cfg: NeumannConfig) -> Solve:

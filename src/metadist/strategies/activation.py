@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from metadist.strategies.bind import Rebinding, bound_within, captured, explicit_marks
+from metadist.strategies.sharded_fast import Resumed
 from metadist.strategies.wrap import CHECKPOINTED
 
 ModulePredicate = Callable[[nn.Module], bool]
@@ -54,13 +55,37 @@ class CheckpointWrapper(nn.Module):
         explicit = bound_within(self.checkpointed, marks)
         rebound = Rebinding(captured(self.checkpointed) if explicit else [],
                             marks=marks if explicit else frozenset())
+        # zero3/hsdp fast weights: the recomputation gathers the same fast weights
+        recompute = _Both(rebound, Resumed())
 
         def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-            return nullcontext(), rebound
+            return nullcontext(), recompute
 
         return checkpoint(self.checkpointed, *args, use_reentrant=False,
                           preserve_rng_state=self.preserve_rng_state, context_fn=contexts,
                           **kwargs)
+
+
+class _Both:
+    """Two re-enterable contexts entered together (re-enterable itself)."""
+
+    def __init__(self, first: AbstractContextManager[Any],
+                 second: AbstractContextManager[Any]) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
 
 
 _PREFIX = CHECKPOINTED + "."

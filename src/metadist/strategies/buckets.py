@@ -132,7 +132,7 @@ class Reducer:
                  owners: Sequence[int] | None = None, group: Group = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
         self.params = list(params)
-        self._scale = scale
+        self.scale = scale
         self._reduce_dtype = reduce_dtype
         self._group = group
         self._rank = ops.group_info(group)[2]
@@ -195,7 +195,7 @@ class Reducer:
             # owner's .grad may already hold a reduced average, which must not be scaled again.
             if not will_accumulate(node):
                 return None
-            scale = self._scale()
+            scale = self.scale()
             return torch.zeros_like(grad) if scale == 0.0 else grad * scale
 
         return hook
@@ -247,7 +247,7 @@ class Reducer:
                 p.grad = None  # zero2: another rank owns it; free it at once
         buf[b.numel:].copy_(torch.tensor(had_grad, dtype=buf.dtype))
         if b.owner != self._rank:  # an owner's own gradients arrive pre-scaled
-            scale = self._scale()
+            scale = self.scale()
             grads = buf[:b.numel]
             if scale == 0.0:
                 grads.zero_()  # a stand-in batch: contributes nothing, not even NaN

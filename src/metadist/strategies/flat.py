@@ -74,7 +74,12 @@ def reduced_shard_grads() -> Iterator[None]:
         _reduced_shard_grads -= 1
 
 
-def _refuse_shard_grad() -> None:
+def shard_grads_allowed() -> bool:
+    """Inside :func:`reduced_shard_grads`."""
+    return _reduced_shard_grads > 0
+
+
+def refuse_shard_grad() -> None:
     raise RuntimeError(
         "torch.autograd.grad with respect to the model's parameters under zero3/fsdp/hsdp: they "
         "are "
@@ -299,7 +304,7 @@ class FlatParam:
         them a gradient reached."""
         if full.requires_grad:
             return list(_Views.apply(full, self))
-        return _split(full, self)
+        return split_views(full, self)
 
     def note_reached(self, mask: list[bool]) -> None:
         """A backward through :meth:`views` reached the slots ``mask`` marks."""
@@ -321,7 +326,7 @@ class FlatParam:
         frees it."""
         accumulating = self.acc_node is not None and will_accumulate(self.acc_node)
         if not accumulating and not _reduced_shard_grads:
-            _refuse_shard_grad()
+            refuse_shard_grad()
         reach = self._take_reached()
         if not owned:
             # at 0 already: a graph kept by retain_graph=True, backpropagated again
@@ -388,7 +393,8 @@ class FlatParam:
             self.shard.grad.add_(value, alpha=1.0 / self.total)
 
 
-def _split(full: torch.Tensor, flat: FlatParam) -> list[torch.Tensor]:
+def split_views(full: torch.Tensor, flat: FlatParam) -> list[torch.Tensor]:
+    """Parameter-shaped views of a full buffer (plain views: no record of reach)."""
     pieces = full.split([*(s.numel for s in flat.slots), flat.padded - flat.numel])
     return [piece.view(s.shape) for piece, s in zip(pieces, flat.slots, strict=False)]
 
@@ -408,7 +414,7 @@ class _Views(torch.autograd.Function):
     def forward(ctx: Any, full: torch.Tensor, flat: FlatParam) -> tuple[torch.Tensor, ...]:
         ctx.flat = flat
         ctx.set_materialize_grads(False)
-        return tuple(_split(full, flat))
+        return tuple(split_views(full, flat))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:

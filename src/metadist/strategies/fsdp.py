@@ -43,13 +43,14 @@ from torch.utils._pytree import tree_leaves
 
 from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
-from metadist.strategies import grad_norm, step_chain
+from metadist.strategies import grad_norm, sharded_fast, step_chain
 from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.base import Strategy, StrategyConfig, register
 from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, place_of
 from metadist.strategies.compile import eager, pieces
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.deferred import DeferredSetup, broadcast_state
+from metadist.strategies.fast_weights import FastWeights
 from metadist.strategies.flat import (
     FlatLayout,
     FlatParam,
@@ -127,6 +128,10 @@ class ShardedModule(DistributedModule):
     def _route_pre_forward(unit: Unit, root: nn.Module, member: nn.Module,
                            args: tuple[Any, ...], kwargs: dict[str, Any]
                            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        running = sharded_fast.active_for(root)
+        if running is not None:  # a forward on fast weights gathers them, not the shards
+            running.enter(unit)
+            return None
         if explicit_parameters_active(root):  # the parameters were bound for this forward
             return None
         return unit.pre_forward(args, kwargs)
@@ -134,7 +139,10 @@ class ShardedModule(DistributedModule):
     @staticmethod
     def _route_post_forward(unit: Unit, root: nn.Module, member: nn.Module, args: Any,
                             output: Any) -> Any:
-        if not explicit_parameters_active(root):
+        running = sharded_fast.active_for(root)
+        if running is not None:
+            running.leave(unit)
+        elif not explicit_parameters_active(root):
             unit.post_forward(member, output)
         return output
 
@@ -254,8 +262,17 @@ class ShardedModule(DistributedModule):
             return self.module.named_parameters(inner, recurse, remove_duplicate)
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
-    def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
+    def fast_weights(self) -> FastWeights:
+        """Fast weights of a cooperative inner problem, kept as shards: this rank's slice of
+        every trainable flat (strategies/sharded_fast.py)."""
+        if self._fast_layout is None:
+            self._fast_layout = sharded_fast.ShardedLayout(self.flats)
+        return FastWeights(self._fast_layout, self._fast_layout.initial())
+
+    def functional_forward(self, params: Mapping[str, torch.Tensor] | FastWeights, *args: Any,
                            **kwargs: Any) -> Any:
+        if isinstance(params, FastWeights):
+            return self._fast_forward(params, args, kwargs)
         self._check_names(params, "functional_forward")
         placed: list[tuple[Place, torch.Tensor]] = []
         frozen, fresh = [], []
@@ -286,6 +303,18 @@ class ShardedModule(DistributedModule):
             for flat in fresh:
                 flat.release()
         return out
+
+    def _fast_forward(self, fast: FastWeights, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """The forward on shard fast weights: each unit gathered from its piece as its
+        members run, the root unit throughout (strategies/sharded_fast.py)."""
+        if not isinstance(fast.layout, sharded_fast.ShardedLayout) or \
+                fast.layout is not self._fast_layout:
+            raise ValueError("functional_forward got fast weights of another model; use "
+                             "this model's model.fast_weights()")
+        pieces = fast.layout.by_flat(fast.pieces)
+        with sharded_fast.fast_forward(self.module, pieces, self.units[-1]):
+            return self.run(self.module, args, kwargs)
 
     # state_dict/load_state_dict: DistributedModule's, on the user's module, whose modules
     # get their parameters back from the shards through strategies/state_dict.py's hooks.

@@ -19,6 +19,7 @@ from torch import nn
 from metadist.precision import Precision
 from metadist.strategies.bind import Rebinding, bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
+from metadist.strategies.fast_weights import FastWeights, ReplicatedLayout
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.placement import ModulePlacement, replicated_module
 
@@ -36,6 +37,7 @@ class DistributedModule(nn.Module):
         self._param_slots: list[tuple[str, nn.Module, str, Any]] | None = None
         #: loads through a parent in progress: (prefix, torch's error list, its length before)
         self._loading: list[tuple[str, list[str], int]] = []
+        self._fast_layout: Any = None  # fast_weights()' layout, one per module
         self._register_load_state_dict_pre_hook(DistributedModule._nest_keys, with_module=True)
         self.register_load_state_dict_post_hook(DistributedModule._unnest_keys)
 
@@ -140,6 +142,17 @@ class DistributedModule(nn.Module):
         self._param_slots = slots
         return {n: p for n, _, _, p in slots if p.requires_grad}
 
+    def fast_weights(self) -> FastWeights:
+        """The trainable parameters as fast weights of a *cooperative* inner problem, one
+        whose batch the ranks split and whose fast weights they share (strategies/
+        fast_weights.py). Here they are whole; zero3/hsdp keep them as shards."""
+        full = self.full_parameters()
+        if self._fast_layout is None or self._fast_layout.names != tuple(full):
+            reducer = getattr(self, "reducer", None)
+            self._fast_layout = ReplicatedLayout(list(full), reducer.scale
+                                                 if reducer is not None else None)
+        return FastWeights(self._fast_layout, tuple(full.values()))
+
     def plain_module(self) -> nn.Module:
         """A plain module computing what this one computes on this rank, with parameters
         gradients flow through back to what the optimizer steps: the user's module itself
@@ -148,11 +161,14 @@ class DistributedModule(nn.Module):
         self.wait_params()
         return self.module
 
-    def functional_forward(self, params: Mapping[str, torch.Tensor], *args: Any,
+    def functional_forward(self, params: Mapping[str, torch.Tensor] | FastWeights, *args: Any,
                            **kwargs: Any) -> Any:
-        """Run the module with ``params`` (names as in :meth:`full_parameters`) in place of
-        its own; parameters and buffers not named keep their current values. A name the
-        module does not have raises (rather than being ignored)."""
+        """Run the module with ``params`` (names as in :meth:`full_parameters`, or the fast
+        weights of :meth:`fast_weights`) in place of its own; parameters and buffers not
+        named keep their current values. A name the module does not have raises (rather
+        than being ignored)."""
+        if isinstance(params, FastWeights):
+            params = params.full()
         self.pre_forward()
         with bind_parameters(self.module, params):
             return self.run(self.module, args, kwargs)

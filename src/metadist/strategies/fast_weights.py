@@ -1,0 +1,258 @@
+"""Fast weights of a *cooperative* inner problem: the same code under every strategy.
+
+An inner loop comes in two kinds. In a **per-rank** one each rank adapts its own task's fast
+weights (``model.full_parameters()`` adapted functionally: MAML with one task per rank).
+In a **cooperative** one the ranks of a group work on one inner problem together, its batch
+split over them, so every rank holds the same fast weights: the inner gradient is the mean
+over the group. A forward call cannot tell the two apart, so the cooperative kind is asked
+for explicitly, with ``model.fast_weights()``:
+
+    fast = model.fast_weights()
+    for _ in range(steps):
+        inner = loss_fn(model.functional_forward(fast, xs), ys)   # this rank's slice
+        fast = fast - lr * fast.grad(inner, create_graph=True)   # the group's mean gradient
+    strategy.backward(loss_fn(model.functional_forward(fast, xq), yq))
+
+Under ``single``, ``ddp``, ``zero1`` and ``zero2`` the fast weights are full tensors and
+:meth:`FastWeights.grad` averages over every rank (differentiably). Under ``zero3``/``hsdp``
+they stay **shards**: each rank holds its slice of every unit's flat buffer, a forward
+gathers one unit at a time, the tensors autograd saves from a gathered unit are kept as
+shards and gathered again when a backward (or the backward of a backward) needs them, and the
+inner gradient arrives already reduced into the shards (strategies/sharded_fast.py), so the
+graph of K inner steps holds O(K P / N) parameters, not O(K P). The group is the world, but
+under ``hsdp`` it is the node: replica groups work on different tasks.
+
+Arithmetic is element-wise on the pieces (``+ - * /``, :meth:`map` for any element-wise
+function, e.g. Adam's update); :meth:`dot` and :meth:`norm` reduce over the group (one
+collective). Anything else that would need a whole parameter goes through
+``model.functional_forward`` or raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+class FastLayout(Protocol):
+    """How a strategy holds fast weights: its pieces, the group that shares them, and how
+    the group's gradient and reductions are formed."""
+
+    names: tuple[str, ...]  # the parameters, by the user's module's names
+
+    def group_size(self) -> int:
+        """Ranks cooperating on one inner problem."""
+
+    def group_rank(self) -> int:
+        """This rank's index among them."""
+
+    def replicas(self) -> tuple[int, int]:
+        """(groups working on different inner problems, this rank's group's index)."""
+
+    def reduce_sum(self, value: Tensor) -> Tensor:
+        """Sum ``value`` (a scalar from this rank's pieces) over the group (differentiable)."""
+
+    def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
+              share: float | None) -> tuple[Tensor, ...]:
+        """The group's mean gradient of ``loss`` with respect to ``pieces``."""
+
+    def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        """Pieces laid out like the fast weights from full tensors by name."""
+
+    def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Full tensors by name (collective where pieces are shards)."""
+
+
+@dataclass(frozen=True, eq=False)
+class FastWeights:
+    """A cooperative inner problem's fast weights (see the module notes)."""
+
+    layout: FastLayout
+    pieces: tuple[Tensor, ...]
+
+    # ----- arithmetic: element-wise on the pieces --------------------------------------------
+    def map(self, fn: Callable[..., Tensor], *others: FastWeights | Tensor | float
+            ) -> FastWeights:
+        """``fn`` applied piece by piece (with the matching pieces of ``others``, or a
+        scalar): ``fn`` must be element-wise, e.g. ``lambda m, v: m / (v.sqrt() + eps)``."""
+        args = [self._pieces_of(o) for o in others]
+        return FastWeights(self.layout, tuple(fn(p, *(a[i] for a in args))
+                                              for i, p in enumerate(self.pieces)))
+
+    def _pieces_of(self, other: FastWeights | Tensor | float) -> Sequence[Any]:
+        if isinstance(other, FastWeights):
+            if other.layout is not self.layout:
+                raise ValueError("these fast weights belong to different models (or a "
+                                 "different set-up); combine fast weights of one model")
+            return other.pieces
+        if isinstance(other, Tensor) and other.numel() != 1:
+            raise TypeError(f"fast weights combine with scalars and with fast weights of the "
+                            f"same model, not a tensor of shape {tuple(other.shape)}; lay it "
+                            "out first with fast.like({name: tensor})")
+        return [other] * len(self.pieces)
+
+    def __add__(self, other: FastWeights | Tensor | float) -> FastWeights:
+        return self.map(lambda a, b: a + b, other)
+
+    __radd__ = __add__
+
+    def __sub__(self, other: FastWeights | Tensor | float) -> FastWeights:
+        return self.map(lambda a, b: a - b, other)
+
+    def __rsub__(self, other: FastWeights | Tensor | float) -> FastWeights:
+        return self.map(lambda a, b: b - a, other)
+
+    def __mul__(self, other: FastWeights | Tensor | float) -> FastWeights:
+        return self.map(lambda a, b: a * b, other)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: FastWeights | Tensor | float) -> FastWeights:
+        return self.map(lambda a, b: a / b, other)
+
+    def __neg__(self) -> FastWeights:
+        return self.map(lambda a: -a)
+
+    # ----- reductions over the group --------------------------------------------------------
+    def dot(self, other: FastWeights) -> Tensor:
+        """The inner product over every parameter (one collective where sharded)."""
+        local = sum(((a * b).sum() for a, b in zip(self.pieces, self._pieces_of(other),
+                                                   strict=True)),
+                    torch.zeros((), dtype=self.pieces[0].dtype, device=self.pieces[0].device))
+        return self.layout.reduce_sum(local)
+
+    def norm(self) -> Tensor:
+        """The 2-norm over every parameter (one collective where sharded)."""
+        return self.dot(self).sqrt()
+
+    # ----- gradients --------------------------------------------------------------------------
+    def grad(self, loss: Tensor, *, create_graph: bool = True,
+             share: float | None = None) -> FastWeights:
+        """The gradient of the group's mean inner loss (``loss`` is this rank's, a mean over
+        its slice of the batch), laid out like these fast weights. ``create_graph`` (the
+        default) keeps it differentiable for second-order meta-gradients. ``share``: this
+        rank's fraction of the group's batch when the slices differ in size (default: an
+        even split)."""
+        return FastWeights(self.layout, self.layout.grads(loss, self.pieces, create_graph,
+                                                          share))
+
+    # ----- conversions ----------------------------------------------------------------------
+    def like(self, values: Mapping[str, Tensor]) -> FastWeights:
+        """Full tensors by parameter name (e.g. learned per-parameter learning rates) laid
+        out like these fast weights, differentiably."""
+        return FastWeights(self.layout, self.layout.like(values))
+
+    def zeros_like(self) -> FastWeights:
+        return self.map(torch.zeros_like)
+
+    def detach(self) -> FastWeights:
+        return self.map(lambda t: t.detach())
+
+    def full(self) -> dict[str, Tensor]:
+        """Every parameter whole, by name (collective where sharded): for inspection."""
+        return self.layout.full(self.pieces)
+
+    @property
+    def group_size(self) -> int:
+        """Ranks cooperating on this inner problem (split its batch over this many)."""
+        return self.layout.group_size()
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's place among them (it takes that slice of the inner batch)."""
+        return self.layout.group_rank()
+
+    @property
+    def groups(self) -> int:
+        """Groups working on different inner problems at once (hsdp's replica groups; 1
+        elsewhere): a meta-batch of tasks is split over them."""
+        return self.layout.replicas()[0]
+
+    @property
+    def group_index(self) -> int:
+        """This rank's group among :attr:`groups` (it takes that share of the tasks)."""
+        return self.layout.replicas()[1]
+
+
+class ReplicatedLayout:
+    """Fast weights as full tensors, identical on every rank (single, dp, ddp, zero1,
+    zero2): the group is every rank, and the inner gradient their mean."""
+
+    def __init__(self, names: Sequence[str], scale: Callable[[], float] | None) -> None:
+        self.names = tuple(names)
+        self.scale = scale  # the strategy's batch weight of this rank (None: one rank)
+
+    def group_size(self) -> int:
+        from metadist.comm import ops
+
+        return ops.group_info(None)[1] if _distributed() else 1
+
+    def group_rank(self) -> int:
+        from metadist.comm import ops
+
+        return ops.group_info(None)[2] if _distributed() else 0
+
+    def replicas(self) -> tuple[int, int]:
+        return 1, 0
+
+    def reduce_sum(self, value: Tensor) -> Tensor:
+        return value  # the pieces are whole and the same on every rank
+
+    def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
+              share: float | None) -> tuple[Tensor, ...]:
+        from metadist.comm import functional
+
+        out = torch.autograd.grad(loss, list(pieces), create_graph=create_graph,
+                                  allow_unused=True, materialize_grads=True)
+        size = self.group_size()
+        if size == 1:
+            return tuple(out)
+        if self.scale is not None:
+            check_even_weights(self.scale())
+        scale = (share if share is not None else 1.0 / size)
+        return tuple(functional.all_reduce_many([g * scale for g in out], "sum"))
+
+    def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        require_all(self.names, values)
+        return tuple(values[n] for n in self.names)
+
+    def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
+        return dict(zip(self.names, pieces, strict=True))
+
+
+def require_all(names: Sequence[str], values: Mapping[str, Tensor]) -> None:
+    """Raise unless ``values`` has a tensor for every name (``fast.like``)."""
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise KeyError(f"fast.like() needs a tensor for every trainable parameter; missing "
+                       f"{missing[:4]}{' ...' if len(missing) > 4 else ''}")
+
+
+def check_even_weights(weight: float) -> None:
+    """Raise unless every rank weights its loss alike (one small collective).
+
+    A cooperative inner problem mixes every rank's outer loss into the gradient on its way
+    back (through the group's inner gradients), before any one rank's batch weight could be
+    applied to its own part: the meta-gradient is exact for equal weights only."""
+    from metadist.comm import ops
+
+    both = torch.tensor([weight, -weight], dtype=torch.float64)
+    ops.all_reduce(both, "max")
+    high, low = float(both[0]), -float(both[1])
+    if high != low:
+        raise ValueError(
+            f"cooperative fast weights (model.fast_weights()) need every rank to weight its "
+            f"loss alike, but the ranks' batch weights run from {low:.6g} to {high:.6g} (a "
+            "ragged last batch of a distributed loader, or set_batch_weight): give every rank "
+            "an equal slice of the batch (drop_last=True), or weight the losses yourself and "
+            "call strategy.set_batch_weight(1, world_size) on every rank")
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())

@@ -1,0 +1,245 @@
+"""zero3/hsdp fast weights: gathering a shard piece, and what autograd saves from it.
+
+A forward on fast weights gathers each unit's piece into a whole buffer (a :class:`Gathered`)
+for as long as the unit's members run. Two things would keep those buffers, or buffers of
+their size, alive far longer, and this module prevents both:
+
+* **Saved tensors.** Autograd saves views of a gathered buffer for the backward (a linear
+  layer's weight). Inside :func:`saved_as_shards` a saved-tensors hook replaces each by a
+  reference to its piece (:class:`_Packed`) and gathers the piece again when a backward
+  reads it. Autograd gives the tensor it hands back the saved view's own graph node, so the
+  gradient still reaches the piece through the forward's gather.
+* **Second-order gradients in waiting.** A backward recorded with ``create_graph=True``
+  (``fast.grad``) reads a saved weight, so the graph it records sends a gradient to that
+  weight's node in the forward graph. There it would wait, whole, for the forward's own
+  gradient of the weight, which the outer backward produces only when it reaches that layer
+  again: a whole model's gradient in waiting at once. So the node that produces such a
+  contribution gets a hook that scatters it into a shard-sized gradient kept with the
+  gather (:meth:`Gathered.divert`) and sends nothing on; the gather's backward adds it to
+  its own (strategies/sharded_fast.py). Only plain backwards divert; a backward that records
+  a graph sends the gradient on as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from metadist.comm import functional, ops
+from metadist.strategies.flat import FlatParam
+
+#: inside ``fast.grad``: the cooperative group's weight of this rank's inner loss (the
+#: gathers' and group sums' backward scale by it); None outside, where they are plain sums
+_INNER: ContextVar[float | None] = ContextVar("metadist_fast_inner", default=None)
+_DIVERTED = "metadist_diverted"  # node metadata: the edges whose gradient a hook diverts
+_SEARCH_DEPTH = 8  # nodes a backward formula builds between its outputs and a saved input
+
+
+@contextmanager
+def inner_weight(weight: float) -> Iterator[None]:
+    """Inside: backward passes form the cooperative group's inner gradient, this rank's
+    inner loss weighted by ``weight``."""
+    token = _INNER.set(weight)
+    try:
+        yield
+    finally:
+        _INNER.reset(token)
+
+
+def weighted(grad: Tensor, flat: FlatParam) -> Tensor:
+    """``grad`` in the reduction dtype, weighted inside ``fast.grad``."""
+    weight = _INNER.get()
+    g = grad.to(flat.reduce_dtype)
+    return g * weight if weight is not None else g
+
+
+def sum_over(g: Tensor, flat: FlatParam, scatter: bool, scratch: bool = False) -> Tensor:
+    """``g`` summed over the shard group (reduce-scattered if ``scatter``), differentiably
+    where a graph is being recorded; ``scratch``: the reduction may overwrite ``g``."""
+    if torch.is_grad_enabled():
+        if scatter:
+            return functional.reduce_scatter(g, "sum", group=flat.group)
+        return functional.all_reduce(g, "sum", group=flat.group)
+    if not scatter:
+        out = g.clone()
+        ops.all_reduce(out, "sum", group=flat.group)
+        return out
+    out = g.new_empty(flat.shard_size)
+    ops.reduce_scatter(out, g.contiguous(), "sum", group=flat.group, input_is_scratch=scratch)
+    return out
+
+
+def real_size(flat: FlatParam) -> int:
+    """Elements of this rank's shard that are parameters, not the flat's padding: the length
+    of its fast weights' piece (padding never meets the user's arithmetic, where a
+    square root's derivative at its zeros would turn into NaN)."""
+    return max(0, min(flat.shard_size, flat.numel - flat.rank * flat.shard_size))
+
+
+def all_gather(piece: Tensor, flat: FlatParam) -> Tensor:
+    """``piece`` (this rank's slice of ``flat``, padding or not) gathered whole, outside
+    autograd."""
+    src = piece.detach().to(flat.device, flat.compute_dtype)
+    if src.numel() < flat.shard_size:
+        src = torch.cat([src, src.new_zeros(flat.shard_size - src.numel())])
+    out = torch.empty(flat.padded, dtype=flat.compute_dtype, device=flat.device)
+    ops.all_gather(out, src, group=flat.group)
+    return out
+
+
+class Gathered:
+    """One gather of a piece: what its saved views refer to, and the second-order gradient
+    diverted to it (this rank's shard of it) until its backward takes it."""
+
+    __slots__ = ("aside", "flat", "node", "piece", "version")
+
+    def __init__(self, piece: Tensor, flat: FlatParam, full: Tensor) -> None:
+        self.piece, self.flat = piece, flat
+        self.node = full.grad_fn  # the gather's backward (None without a graph)
+        self.version = full._version  # a later in-place change makes saved views unsafe
+        self.aside: Tensor | None = None
+
+    def divert(self, grad: Tensor, view: _Packed) -> None:
+        """Scatter the gradient of a saved view of this buffer into this rank's shard."""
+        full = torch.zeros(self.flat.padded, dtype=self.flat.reduce_dtype,
+                           device=self.flat.device)
+        full.as_strided(view.size, view.stride, view.offset).add_(weighted(grad, self.flat))
+        out = sum_over(full, self.flat, scatter=True, scratch=True)
+        self.aside = out if self.aside is None else self.aside.add_(out)
+
+    def take_aside(self) -> Tensor | None:
+        aside, self.aside = self.aside, None
+        return aside
+
+
+class _Packed:
+    """A saved view of a gathered buffer, as the gather it came from and where it lies."""
+
+    __slots__ = ("gathered", "node", "offset", "output_nr", "size", "stride")
+
+    def __init__(self, gathered: Gathered, view: Tensor) -> None:
+        self.gathered = gathered
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+        # the view's node in the forward graph: the gradient of the unpacked tensor goes there
+        self.node, self.output_nr = view.grad_fn, view.output_nr
+
+    def unpack(self) -> Tensor:
+        g = self.gathered
+        full = all_gather(g.piece, g.flat)
+        _REGISTRY.add(full, g)  # saved again by a recorded backward: packed again
+        _DIVERTER.note(self)
+        return full.as_strided(self.size, self.stride, self.offset)
+
+
+class _Registry:
+    """Gathered buffers by storage: what the pack hook recognises."""
+
+    def __init__(self) -> None:
+        self._by_storage: dict[int, tuple[StorageWeakRef, Gathered]] = {}
+
+    def add(self, full: Tensor, gathered: Gathered) -> None:
+        storage = full.untyped_storage()
+        self._by_storage[storage._cdata] = (StorageWeakRef(storage), gathered)
+        if len(self._by_storage) > 256:  # drop freed buffers now and then
+            self._by_storage = {k: v for k, v in self._by_storage.items()
+                                if not v[0].expired()}
+
+    def pack(self, t: Tensor) -> Any:
+        if t.device.type == "meta" or t.is_sparse:
+            return t
+        entry = self._by_storage.get(t.untyped_storage()._cdata)
+        if entry is None or entry[0].expired():
+            return t
+        gathered = entry[1]
+        base = t._base if t._base is not None else t
+        if base._version != gathered.version:  # changed in place: keep it as it is
+            return t
+        return _Packed(gathered, t)
+
+    @staticmethod
+    def unpack(obj: Any) -> Tensor:
+        return obj.unpack() if isinstance(obj, _Packed) else obj
+
+
+class _Diverter:
+    """Finds the nodes a recorded backward built on unpacked views, and hooks them to divert
+    the views' gradients (see the module notes)."""
+
+    def note(self, packed: _Packed) -> None:
+        """``packed`` was unpacked by the node running now: if that backward records a
+        graph, look at what it built once it returns."""
+        node: Any = torch._C._current_autograd_node()
+        if node is None or packed.node is None or not torch.is_grad_enabled():
+            return
+        pending: list[_Packed] | None = node.metadata.get(_DIVERTED + "_pending")
+        if pending is None:
+            node.metadata[_DIVERTED + "_pending"] = [packed]
+            node.register_hook(lambda grads, _, node=node: self._built(node, grads))
+        else:
+            pending.append(packed)
+
+    def _built(self, node: Any, grads: tuple[Tensor | None, ...]) -> None:
+        packs = node.metadata.pop(_DIVERTED + "_pending", [])
+        targets = {(id(p.node), p.output_nr): p for p in packs}
+        seen: set[int] = set()
+        frontier = [g.grad_fn for g in grads if g is not None and g.grad_fn is not None]
+        for _ in range(_SEARCH_DEPTH):
+            following = []
+            for built in frontier:
+                if id(built) in seen:
+                    continue
+                seen.add(id(built))
+                edges = {i: targets[(id(nxt), nr)] for i, (nxt, nr)
+                         in enumerate(built.next_functions)
+                         if nxt is not None and (id(nxt), nr) in targets}
+                if edges:
+                    self._hook(built, edges)
+                following += [nxt for nxt, _ in built.next_functions
+                              if nxt is not None and id(nxt) not in seen]
+            frontier = following
+
+    @staticmethod
+    def _hook(built: Any, edges: dict[int, _Packed]) -> None:
+        known: dict[int, _Packed] | None = built.metadata.get(_DIVERTED)
+        if known is not None:
+            known.update(edges)
+            return
+        built.metadata[_DIVERTED] = dict(edges)
+
+        def divert(grads: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...] | None:
+            if torch.is_grad_enabled():  # a graph is being recorded: send it on
+                return None
+            out = list(grads)
+            for i, packed in built.metadata[_DIVERTED].items():
+                gathered = packed.gathered
+                if out[i] is None or gathered.node is None or \
+                        not torch._C._will_engine_execute_node(gathered.node):
+                    continue
+                gathered.divert(out[i], packed)
+                out[i] = None
+            return tuple(out)
+
+        built.register_hook(divert)
+
+
+_REGISTRY = _Registry()
+_DIVERTER = _Diverter()
+
+
+def register(full: Tensor, gathered: Gathered) -> None:
+    """Let the pack hook recognise views of ``full``."""
+    _REGISTRY.add(full, gathered)
+
+
+@contextmanager
+def saved_as_shards() -> Iterator[None]:
+    """Inside: tensors autograd saves that are views of a gathered fast buffer are kept as
+    references to their pieces (see the module notes)."""
+    with torch.autograd.graph.saved_tensors_hooks(_REGISTRY.pack, _REGISTRY.unpack):
+        yield

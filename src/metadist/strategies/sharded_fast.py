@@ -1,0 +1,281 @@
+"""zero3/hsdp: fast weights that stay shards (strategies/fast_weights.py has the API).
+
+A cooperative inner loop's memory stays at O(K P / N) for K inner steps because:
+
+* **Pieces are shards.** A rank's fast weights are its slice of every trainable flat buffer
+  (the flats' own shards to start with), and the update arithmetic runs on them.
+* **One unit at a time.** Inside ``functional_forward(fast, ...)`` each unit is gathered
+  (:class:`_FastGather`: all-gather forward, reduce-scatter backward, itself differentiable)
+  just before its first member runs and let go after its last, as the strategy's own forward
+  does; frozen parameters are gathered without a graph.
+* **What autograd saves stays shards**, and second-order gradients do not wait whole
+  (strategies/shard_gather.py).
+
+Weights: a gather is the identity on the group's whole tensor, so its backward is a plain
+sum of every rank's gradient, except inside ``fast.grad``, where each rank's inner loss is
+weighted in the group's mean. The strategy's weight of each rank's outer loss (the mean over
+ranks), hsdp's sum across replica groups and the record of what a gradient reached are
+applied once, where the gradient enters the model's shard (:class:`_Start`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from metadist.comm import functional, ops
+from metadist.runtime.world import SELF
+from metadist.strategies.bind import Saved, place_of, restore, write
+from metadist.strategies.buckets import will_accumulate
+from metadist.strategies.fast_weights import check_even_weights, require_all
+from metadist.strategies.flat import (
+    FlatParam,
+    refuse_shard_grad,
+    shard_grads_allowed,
+    split_views,
+)
+from metadist.strategies.shard_gather import (
+    Gathered,
+    all_gather,
+    inner_weight,
+    real_size,
+    register,
+    saved_as_shards,
+    sum_over,
+    weighted,
+)
+
+if TYPE_CHECKING:
+    from metadist.strategies.units import Unit
+
+# ----- gathering a piece ---------------------------------------------------------------------
+class _FastGather(torch.autograd.Function):
+    """A piece of fast weights gathered whole. Backward: the reduce-scatter of every rank's
+    gradient, a plain sum (the gather is the identity on the group's whole tensor) but inside
+    ``fast.grad``, where each rank's inner loss has its weight in the group's mean: a path
+    from an inner loss to its fast weights crosses exactly one gather. Second-order
+    gradients diverted to this gather (strategies/shard_gather.py) are added here."""
+
+    @staticmethod
+    def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered]) -> Tensor:
+        ctx.flat, ctx.gathered, ctx.length = flat, gathered, piece.numel()
+        return all_gather(piece, flat)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        flat: FlatParam = ctx.flat
+        out = sum_over(weighted(grad, flat), flat, scatter=True)
+        aside = ctx.gathered[0].take_aside()
+        if aside is not None:
+            out = out + aside
+        return out[:ctx.length].to(flat.shard.device, flat.shard.dtype), None, None
+
+
+class _Start(torch.autograd.Function):
+    """The model's shard as the first fast weights. Every path from a loss to the shard
+    crosses this node once, and the gradient arriving here is the sum over the shard group
+    of every rank's loss's gradient: the strategy's weight (the mean over ranks), the sum
+    across replica groups (hsdp) and the record of what was reached happen here, once."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: Tensor, flat: FlatParam) -> Tensor:
+        ctx.flat = flat
+        return shard[:real_size(flat)]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        flat: FlatParam = ctx.flat
+        accumulating = flat.acc_node is not None and will_accumulate(flat.acc_node)
+        if not accumulating and not shard_grads_allowed():
+            refuse_shard_grad()
+        g = grad * flat.scale()
+        if g.numel() < flat.shard_size:  # the padding: no gradient
+            g = torch.cat([g, g.new_zeros(flat.shard_size - g.numel())])
+        if flat.replicate_group is not SELF:
+            if torch.is_grad_enabled():
+                g = functional.all_reduce(g, "sum", group=flat.replicate_group)
+            else:
+                g = g.clone()
+                ops.all_reduce(g, "sum", group=flat.replicate_group)
+        if accumulating:
+            flat.gradient_added(None)  # the first fast weights use every element
+        return g, None
+
+
+def gather(piece: Tensor, flat: FlatParam) -> Tensor:
+    """``piece`` whole: through :class:`_FastGather` where gradients flow, else plain; its
+    views are kept as shards when autograd saves them."""
+    if torch.is_grad_enabled() and piece.requires_grad:
+        holder: list[Gathered] = []
+        out: Tensor = _FastGather.apply(piece, flat, holder)
+        holder.append(Gathered(piece, flat, out))
+    else:
+        out = all_gather(piece, flat)
+        holder = [Gathered(piece, flat, out)]
+    register(out, holder[0])
+    return out
+
+
+# ----- the forward ---------------------------------------------------------------------------
+class FastForward:
+    """One ``functional_forward`` on fast weights: units gathered from the pieces as their
+    members run (the model's unit hooks route here), let go after them."""
+
+    def __init__(self, pieces: Mapping[FlatParam, Tensor], root_unit: Unit) -> None:
+        self.pieces, self.root_unit = pieces, root_unit
+        self._open: dict[Unit, tuple[int, list[Saved], list[Tensor]]] = {}
+
+    def enter(self, unit: Unit) -> None:
+        running, saved, held = self._open.get(unit, (0, [], []))
+        if not running:
+            saved, held = self._bind(unit)
+        self._open[unit] = (running + 1, saved, held)
+
+    def leave(self, unit: Unit) -> None:
+        running, saved, held = self._open[unit]
+        if running > 1:
+            self._open[unit] = (running - 1, saved, held)
+            return
+        del self._open[unit]
+        restore(saved)  # the placeholders back; the buffers live on only in the graph
+
+    def close(self) -> None:
+        for unit in list(self._open):
+            restore(self._open.pop(unit)[1])
+
+    def _bind(self, unit: Unit) -> tuple[list[Saved], list[Tensor]]:
+        placed: list[tuple[tuple[dict[str, Any], str], Tensor]] = []
+        held = []
+        for flat in unit.flats:
+            piece = self.pieces.get(flat, flat.shard)
+            full = gather(piece if flat.shard.requires_grad else flat.shard.detach(), flat)
+            held.append(full)
+            for slot, view in zip(flat.slots, split_views(full, flat), strict=True):
+                placed += [(place_of(module, attr), view) for module, attr in slot.uses]
+        return write(placed), held
+
+
+_ACTIVE: ContextVar[tuple[int, FastForward] | None] = ContextVar("metadist_fast_forward",
+                                                                 default=None)
+
+
+def active_for(root: nn.Module) -> FastForward | None:
+    """The fast forward running on ``root`` (a zero3 model's user module), if any."""
+    running = _ACTIVE.get()
+    return running[1] if running is not None and running[0] == id(root) else None
+
+
+class Resumed:
+    """Makes the fast forward that was running when this was made run again while entered
+    (re-enterable): activation checkpointing's recomputation in backward runs the blocks on
+    the same fast weights, not on the model's shards."""
+
+    def __init__(self) -> None:
+        self._running = _ACTIVE.get()
+        self._tokens: list[Any] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_ACTIVE.set(self._running))
+        if self._running is not None:  # the root unit was gathered throughout the forward
+            self._running[1].enter(self._running[1].root_unit)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._running is not None:
+            self._running[1].leave(self._running[1].root_unit)
+        _ACTIVE.reset(self._tokens.pop())
+
+
+@contextmanager
+def fast_forward(root: nn.Module, pieces: Mapping[FlatParam, Tensor],
+                 root_unit: Unit) -> Iterator[FastForward]:
+    """Run ``root``'s forward on fast ``pieces`` (the root unit gathered throughout)."""
+    forward = FastForward(pieces, root_unit)
+    token = _ACTIVE.set((id(root), forward))
+    try:
+        with saved_as_shards():
+            forward.enter(forward.root_unit)
+            try:
+                yield forward
+            finally:
+                forward.close()
+    finally:
+        _ACTIVE.reset(token)
+
+
+# ----- the layout ----------------------------------------------------------------------------
+class _GroupSum(torch.autograd.Function):
+    """A sum over the shard group. Backward: the sum of every rank's gradient, weighted
+    inside ``fast.grad`` as the gathers' backward is."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, flat: FlatParam) -> Tensor:
+        ctx.flat = flat
+        return sum_over(value.detach(), flat, scatter=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        flat: FlatParam = ctx.flat
+        return sum_over(weighted(grad, flat), flat, scatter=False).to(grad.dtype), None
+
+
+class ShardedLayout:
+    """Fast weights as one shard per trainable flat (zero3/hsdp)."""
+
+    def __init__(self, flats: Sequence[FlatParam]) -> None:
+        self.flats = [flat for flat in flats if flat.shard.requires_grad]
+        if not self.flats:
+            raise ValueError("fast_weights(): the model has no trainable parameters")
+        self.names = tuple(slot.fqn for flat in self.flats for slot in flat.slots)
+
+    def group_size(self) -> int:
+        return ops.group_info(self.flats[0].group)[1]
+
+    def group_rank(self) -> int:
+        return ops.group_info(self.flats[0].group)[2]
+
+    def replicas(self) -> tuple[int, int]:
+        _, count, index = ops.group_info(self.flats[0].replicate_group)
+        return count, index
+
+    def initial(self) -> tuple[Tensor, ...]:
+        return tuple(_Start.apply(flat.shard, flat) for flat in self.flats)
+
+    def by_flat(self, pieces: Sequence[Tensor]) -> dict[FlatParam, Tensor]:
+        if len(pieces) != len(self.flats):
+            raise ValueError(f"fast weights of {len(pieces)} pieces for a model of "
+                             f"{len(self.flats)} flat shards")
+        return dict(zip(self.flats, pieces, strict=True))
+
+    def reduce_sum(self, value: Tensor) -> Tensor:
+        out: Tensor = _GroupSum.apply(value, self.flats[0])
+        return out
+
+    def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
+              share: float | None) -> tuple[Tensor, ...]:
+        check_even_weights(self.flats[0].scale())
+        weight = share if share is not None else 1.0 / self.group_size()
+        with inner_weight(weight), saved_as_shards():
+            out = torch.autograd.grad(loss, list(pieces), create_graph=create_graph,
+                                      allow_unused=True, materialize_grads=True)
+        return tuple(out)
+
+    def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
+        require_all(self.names, values)
+        out = []
+        for flat in self.flats:
+            parts = [values[s.fqn].reshape(-1).to(flat.shard.dtype) for s in flat.slots]
+            lo = flat.rank * flat.shard_size
+            out.append(torch.cat(parts)[lo:lo + real_size(flat)])
+        return tuple(out)
+
+    def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for flat, piece in zip(self.flats, pieces, strict=True):
+            views = split_views(all_gather(piece, flat), flat)
+            out.update((s.fqn, v) for s, v in zip(flat.slots, views, strict=True))
+        return out

@@ -120,7 +120,8 @@ def plot_ratios(results: dict[str, Any], path: Path) -> Path | None:
                 labelled.add(ref)
                 ax.text(x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=7)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-        ax.set_xticks(range(len(configs)), [_short(c) for c in configs])
+        ax.set_xticks(range(len(configs)), [_short(c) for c in configs], rotation=20,
+                      ha="right")  # "zero1 overlap_param_gather" and its neighbours
         ax.set_ylim(0, 1.4 * max(1.0, *(r[5] for r in mine)))  # room for the legend
         ax.set_title(f"{name}: metadist step time / reference")
         ax.set_ylabel("ratio (lower is faster)")

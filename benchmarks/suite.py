@@ -100,7 +100,32 @@ def machine() -> dict[str, Any]:
     return {"date": datetime.now().astimezone().isoformat(timespec="seconds"),
             "torch": version("torch"), "metadist": version("metadist"),
             "python": platform.python_version(), "platform": platform.platform(),
-            "cpu": cpu, "cpu_count": os.cpu_count()}
+            "cpu": cpu, "cpu_count": os.cpu_count(), "loadavg": load(), **checkout()}
+
+
+def checkout() -> dict[str, Any]:
+    """The commit of the checkout the benchmarks ran from, and whether its tracked files had
+    changes on top (both absent outside a git checkout)."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True,
+                                  text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if not commit:
+        return {}
+    return {"commit": commit, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def load() -> list[float] | None:
+    """The 1/5/15-minute load averages now: other work sharing the cores moves the figures
+    (the suite records them at its start and after each benchmark)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def peers() -> dict[str, Any]:
@@ -188,7 +213,7 @@ def run_one(s: Spec, out: Path, quick: bool, world: int | None, timeout: float,
     code = _run_logged(cmd, log, timeout, echo)
     entry: dict[str, Any] = {"command": shlex.join(cmd), "returncode": code,
                              "seconds": round(time.monotonic() - start, 1),
-                             "log": str(log.relative_to(out))}
+                             "log": str(log.relative_to(out)), "loadavg": load()}
     if raw.is_file():  # after a failure: what it measured before (its tables say)
         entry["result"] = json.loads(raw.read_text())
     if code == 0 and raw.is_file():

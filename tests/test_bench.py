@@ -139,6 +139,10 @@ def test_a_failing_or_hanging_benchmark_does_not_stop_the_others(
     assert [runs[n]["status"] for n in ("broken", "hangs", "fine")] == ["failed", "failed", "ok"]
     assert "boom: deliberately broken" in runs["broken"]["error"]
     assert runs["hangs"]["error"].startswith("timed out after 3 s")
+    # the load the figures were measured under, and the code they were measured on
+    assert all(len(runs[n]["loadavg"]) == 3 for n in runs)
+    assert len(results["machine"]["loadavg"]) == 3
+    assert results["machine"]["commit"] and isinstance(results["machine"]["dirty"], bool)
     text = (out / "report.md").read_text()
     assert "| only | 0.5 |" in text and "boom: deliberately broken" in text
     assert json.loads((out / "results.json").read_text())["benchmarks"]["fine"]["status"] == "ok"
@@ -200,3 +204,98 @@ def test_metadist_bench_quick_writes_report_results_and_plots(tmp_path: Path) ->
         assert f"]({png})" in text
     if not results["peers"]["present"]:
         assert "anchor rows are skipped" in text and "FairScale OSS + ShardedDDP" in text
+
+
+# ----- the README's benchmark sections (benchmarks/readme.py) -----------------------------------
+from benchmarks import readme  # noqa: E402
+
+
+def _full_run() -> dict[str, Any]:
+    """The synthetic results as a full (not --quick) run, with the load the suite records;
+    comm was left out (--only) and meta failed."""
+    results = _synthetic()
+    results["settings"]["quick"] = False
+    results["machine"].update(loadavg=[1.5, 1.2, 1.0], commit="0123456789ab", dirty=True)
+    for i, entry in enumerate(results["benchmarks"].values()):
+        entry["loadavg"] = [2.0 + i, 1.5, 1.0]
+    return results
+
+
+def _readme_with_markers(names: list[str]) -> str:
+    parts = ["# project", "", "Hand-written text stays.", ""]
+    for name in names:
+        parts += [f"### {name}", "", "prose before", "", f"<!-- bench: {name} -->",
+                  "| stale | table |", "|---|---|", "| 1 | 2 |", f"<!-- /bench: {name} -->", "",
+                  "prose after", ""]
+    return "\n".join(parts)
+
+
+def test_readme_generator_rewrites_its_sections_from_results(tmp_path: Path) -> None:
+    results = _full_run()
+    source = tmp_path / "bench" / "results.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps(results))
+    (source.parent / "traffic.png").write_bytes(b"\x89PNG plot")
+    target = tmp_path / "README.md"
+    target.write_text(_readme_with_markers(list(readme.SECTIONS)))
+    figures = tmp_path / "figures"
+    argv = [str(source), "--readme", str(target), "--figures", str(figures)]
+
+    assert readme.main([*argv, "--check"]) == 1  # stale: it would change
+    assert readme.main(argv) == 0
+    text = target.read_text()
+    got = readme.current(text)
+    assert got == readme.sections(results)  # every section is exactly the generator's
+    assert readme.main([*argv, "--check"]) == 0  # and a second run changes nothing
+    assert "| stale |" not in text
+    assert text.count("prose before") == text.count("prose after") == len(readme.SECTIONS)
+    assert text.startswith("# project\n\nHand-written text stays.\n")
+
+    assert ("| mlp | metadist ddp | torch DDP | 240 | 250 | 0.96 |" in got["headline"]
+            and "time ratio configuration / reference" in got["headline"])
+    assert "| mlp | metadist zero3 | torch FSDP2 fully_shard | <= 0.6 | 0.65 | **no** |" \
+           in got["headline"]
+    assert "| mlp | metadist ddp | torch DDP | <= 1 | 0.96 | yes |" in got["headline"]
+    assert "`python -m benchmarks.ddp` (1-minute load average as it ended: 2.0):" in got["ddp"]
+    assert "| metadist ddp | 240 |" in got["ddp"]
+    assert "*Skipped in this run: FairScale OSS + ShardedDDP: not installed*" in got["zero"]
+    assert "| mlp | metadist zero3 | 3 | 3 reduce_scatter |" in got["zero"]  # barriers left out
+    assert got["meta"].startswith("*Not measured in this run: `meta` failed (exited with "
+                                  "status 1); see the run's report.*")
+    assert got["comm"].startswith("*Not measured in this run: `comm` was not run")
+    machine = got["machine"]
+    assert ("`metadist bench --only ddp,zero,meta` run of commit 0123456789ab with uncommitted "
+            "changes of") in machine
+    assert "The 1-minute load average was 1.5 at its start and 2.0-4.0 after each" in machine
+    assert (figures / "traffic.png").read_bytes() == b"\x89PNG plot"  # the run's plots
+    assert json.loads((figures / readme.RESULTS_COPY).read_text()) == results
+
+
+def test_readme_generator_refuses_what_it_cannot_write_truthfully() -> None:
+    results = _full_run()
+    with pytest.raises(readme.ReadmeError, match="--quick"):
+        readme.sections({**results, "settings": {**results["settings"], "quick": True}})
+    with pytest.raises(readme.ReadmeError, match="exactly once"):
+        readme.rewrite("no markers here\n", readme.sections(results))
+    with pytest.raises(readme.ReadmeError, match="does not make: nope"):
+        readme.rewrite("<!-- bench: nope -->\n<!-- /bench: nope -->\n", {"ddp": "x\n"})
+    # A column that leaves open what it measures, e.g. TorchOpt's old "x TorchOpt" label
+    # read as a time ratio, must get a label first.
+    assert readme.label("torchopt_compat", "x TorchOpt").startswith("throughput ratio")
+    assert readme.label("comm", "speed-up").startswith("speed-up (time ratio")
+    with pytest.raises(readme.ReadmeError, match="does not say what it is"):
+        readme.label("ddp", "ours / theirs")
+
+
+def test_readme_benchmark_sections_are_the_committed_runs() -> None:
+    """The README's figures are what benchmarks/readme.py makes of the run committed beside
+    its plots (docs/figures/bench-results.json): none is edited by hand."""
+    results = json.loads((readme.FIGURES / readme.RESULTS_COPY).read_text())
+    text = readme.README.read_text()
+    want = readme.sections(results)
+    assert readme.current(text) == want, (
+        "README.md's benchmark sections differ from docs/figures/bench-results.json: rerun "
+        "`python -m benchmarks.readme out/bench/results.json` after `make bench`")
+    for name in readme.PLOTS:
+        if f"docs/figures/{name}" in text:
+            assert (readme.FIGURES / name).is_file(), name

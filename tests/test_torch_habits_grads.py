@@ -28,7 +28,7 @@ D = 8
 STEPS = 10
 GLOBAL_BATCH = 24
 OPTIONS: dict[str, dict[str, Any]] = {
-    "ddp": {}, "zero2": {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.0001},
+    "ddp": {}, "zero1": {}, "zero2": {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.0001},
     "zero3": {"min_unit_params": 10}, "hsdp": {"min_unit_params": 10},
 }
 # (strategy, ranks, nodes): 3 ranks give uneven flats; hsdp 4 = 2 nodes x 2 (shards within a
@@ -76,7 +76,7 @@ def _backward(model: nn.Module, plain: nn.Module, step: int) -> None:
 
 
 def _train(strategy: str, how: str) -> dict[str, Any]:
-    _, model, opt, plain, popt = _setup(strategy)
+    s, model, opt, plain, popt = _setup(strategy)
     results = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -85,6 +85,12 @@ def _train(strategy: str, how: str) -> dict[str, Any]:
         if how == "norm":  # max_norm small enough to clip at every step
             results.append((torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),
                             torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)))
+        elif how.startswith("strategy"):  # strategy.clip_grad_norm_(model, c), p=2 or inf
+            p = float("inf") if how == "strategy inf" else 2.0
+            results.append((s.clip_grad_norm_(model, 0.05 if p == 2 else 0.01, norm_type=p),
+                            torch.nn.utils.clip_grad_norm_(plain.parameters(),
+                                                           0.05 if p == 2 else 0.01,
+                                                           norm_type=p)))
         elif how == "value":
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
             torch.nn.utils.clip_grad_value_(plain.parameters(), 0.01)
@@ -99,6 +105,21 @@ def _train(strategy: str, how: str) -> dict[str, Any]:
         opt.step()
         popt.step()
     return {"norms": results, "got": model.state_dict(), "want": plain.state_dict()}
+
+
+@pytest.mark.parametrize(("strategy", "n", "nodes", "how"), [
+    *((*cell, "strategy") for cell in [*CELLS, ("zero1", 3, 1)]),
+    ("zero2", 3, 1, "strategy inf"), ("zero3", 3, 1, "strategy inf"),
+    ("hsdp", 4, 2, "strategy inf")])
+def test_strategy_clip_grad_norm_clips_with_the_global_norm(strategy: str, n: int,
+                                                            nodes: int, how: str) -> None:
+    """strategy.clip_grad_norm_(model, c) returns the global norm and clips with it (small
+    enough to clip at every step): the norms and the trained parameters match one process."""
+    for rank, out in enumerate(run_on_ranks(_train, n, args=(strategy, how), nnodes=nodes)):
+        where = f"{strategy} n={n} rank {rank} {how}"
+        for step, (got, want) in enumerate(out["norms"]):
+            _close(got, want, f"{where} step {step} norm")
+        assert_tensors_close(out["got"], out["want"], where=where)
 
 
 # get_total_norm over zero2 gradients raises instead: test_what_cannot_be_right_raises_...

@@ -33,7 +33,19 @@ from metadist.meta import (
 )
 from metadist.testing import run_on_ranks
 
-RTOL, ATOL = 1.3e-6, 1e-5  # the parity protocol's tolerances (tests/parity.py)
+# The problem is float64; both sides run on the machine running the test and differ only in
+# the order sums are taken. Measured here (parameters up to 1.9): at most 2.0e-15 between
+# ranks and one process (darts; the others 2.2e-16), 3.5e-17 against the hand-written loop,
+# 0.0 for a resumed run. 1e-12 leaves ~500x for another CPU's summation order.
+TOL = {"rtol": 1e-12, "atol": 1e-12}
+# Exceptions, each a float32 computation inside the float64 problem:
+# * a 16-mixed upper level computes its forward in float16/float32 (measured 1.5e-7): the
+#   parity protocol's float32 tolerances (tests/parity.py);
+# * strategy.clip_grad_norm_ under zero1/zero2/zero3/hsdp (clip_sharded_grads) sums the
+#   norm in float32, so cg's gradient_clipping=0.5 moves those runs by 6.7e-9 (measured);
+#   the suite's test_sharded_clipping_of_float64_gradients_is_float64 is its strict xfail.
+FLOAT32 = {"rtol": 1.3e-6, "atol": 1e-5}
+SHARDED_CLIP = {"rtol": 0.0, "atol": 1e-7}
 ROOT = Path(__file__).resolve().parent.parent
 D, BATCH = 5, 12  # global batch of both levels, divisible by 2 and 3
 METHODS = ("unrolled", "darts", "neumann", "cg")
@@ -134,10 +146,11 @@ def _train_cases(cases: list[tuple[str, str, dict[str, Any], bool]]) -> list[Any
     return [_trained(*case) for case in cases]
 
 
-def _close(got: dict[str, Tensor], want: dict[str, Tensor], where: str) -> None:
+def _close(got: dict[str, Tensor], want: dict[str, Tensor], where: str,
+           tol: dict[str, float] = TOL) -> None:
     assert got.keys() == want.keys()
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL,
+        torch.testing.assert_close(got[name], value, **tol,
                                    msg=lambda m, name=name: f"{where} {name}: {m}")
 
 
@@ -175,7 +188,9 @@ def test_bilevel_training_matches_single_process(
         for (method, strategy, _, ragged), (got, steps) in zip(cases, results, strict=True):
             where = f"{method} {strategy} ws={world_size} ragged={ragged} rank={rank}"
             assert steps == 10, where
-            _close(got, references[(method, ragged)], where)
+            clipped_in_float32 = method == "cg" and strategy not in ("single", "ddp")
+            _close(got, references[(method, ragged)], where,
+                   SHARDED_CLIP if clipped_in_float32 else TOL)
 
 
 def test_unrolled_engine_equals_hand_written_bilevel_loop() -> None:
@@ -377,7 +392,8 @@ def _resume(path: str) -> bool:
     resumed = build("neumann", "zero3", ZERO3, train_iters=8, resume_from=path)
     resumed.run()
     want, got = final(whole), final(resumed)
-    return all(torch.allclose(got[k], want[k], rtol=RTOL, atol=ATOL) for k in want)
+    return all(torch.allclose(got[k], want[k], rtol=TOL["rtol"], atol=TOL["atol"])
+               for k in want)
 
 
 def test_resume_from_checkpoint_under_zero3_on_two_ranks(tmp_path: Path) -> None:
@@ -406,7 +422,7 @@ def test_per_problem_precision_loss_scaler_and_scheduler() -> None:
     assert hyper.strategy is not None and hyper.strategy.config.precision == "16-mixed"
     scaler = hyper.strategy.scaler
     assert scaler is not None and scaler.skipped_steps == 0 and scaler.growth_tracker == 10
-    _close(final(mixed), final(plain), "16-mixed upper level")
+    _close(final(mixed), final(plain), "16-mixed upper level", FLOAT32)
     scheduled = build("cg", schedule=True)
     opt = scheduled.problems["inner"].optimizer
     scheduled.run()

@@ -35,10 +35,11 @@ class Net(nn.Module):
         self.emb = nn.Embedding(10, 8, padding_idx=0)  # its init fills a row view
         self.body = nn.Sequential(nn.Linear(8, WIDTH), *[Block() for _ in range(BLOCKS)],
                                   nn.Linear(WIDTH, 3))
+        self.register_buffer("offset", torch.randn(3))  # a buffer drawn from the generator
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids = torch.arange(x.shape[0]) % 10
-        return self.body(x + self.emb(ids))
+        return self.body(x + self.emb(ids)) + self.offset
 
 
 def _net() -> nn.Module:
@@ -82,6 +83,7 @@ def _train(name: str, deferred: bool, seed: int = 0) -> dict[str, Any]:
 def _compare(names: list[str], seed_by_rank: bool = False) -> list[str]:
     """Each strategy, eager against deferred, on these ranks; what differed."""
     seed = metadist.world().rank if seed_by_rank else 0
+    rank0 = _build(False, 0)[0].state_dict()  # what rank 0 constructs
     problems = []
     for name in names:
         eager, deferred = _train(name, False, seed), _train(name, True, seed)
@@ -90,6 +92,9 @@ def _compare(names: list[str], seed_by_rank: bool = False) -> list[str]:
         for key, want in eager["init"].items():
             if not torch.equal(deferred["init"][key], want):
                 problems.append(f"{name}: initial {key} differs from eager construction")
+            # every rank starts from rank 0's values (seed 0), whatever seed each drew with
+            if not torch.equal(deferred["init"][key], rank0[key]):
+                problems.append(f"{name}: initial {key} differs from rank 0's construction")
         try:
             assert_tensors_close(deferred["final"], eager["final"], where=name)
         except AssertionError as exc:

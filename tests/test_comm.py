@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -201,28 +203,86 @@ def test_debug_mode_turns_a_skipped_collective_into_an_error() -> None:
         run_on_ranks(_skip_a_collective, 2, timeout=60)
 
 
-def _large_reduce_scatter() -> tuple[bool, bool, bool]:
-    """Inputs above the ring threshold take the point-to-point ring on gloo."""
+def _large_reduce_scatter() -> tuple[bool, bool, bool, int, int]:
+    """Inputs above the ring threshold take the point-to-point ring on gloo (its calls are
+    counted); a small one takes the in-place all-reduce."""
+    from metadist.comm import ring
+
     r, n = metadist.world().rank, metadist.world().world_size
     m = (1 << 20) // 4 // n + 7  # > 1 MiB in total, an odd chunk length
     x = torch.arange(n * m, dtype=torch.float32) * (r + 1)
     keep = x.clone()
     out = torch.empty(m)
-    handle = comm.reduce_scatter(out, x, "mean", async_op=True)
-    handle.wait()
-    expected = torch.arange(r * m, (r + 1) * m, dtype=torch.float32) * sum(
-        k + 1 for k in range(n)) / n
-    scratch = x.clone()
-    out2 = torch.empty(m)
-    comm.reduce_scatter(out2, scratch, "sum", input_is_scratch=True)
+    rings = [0]
+    original = ring.reduce_scatter
+
+    def counted(*args: object, **kwargs: object) -> object:
+        rings[0] += 1
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    ring.reduce_scatter = counted  # type: ignore[assignment]
+    try:
+        handle = comm.reduce_scatter(out, x, "mean", async_op=True)
+        handle.wait()
+        expected = torch.arange(r * m, (r + 1) * m, dtype=torch.float32) * sum(
+            k + 1 for k in range(n)) / n
+        scratch = x.clone()
+        out2 = torch.empty(m)
+        comm.reduce_scatter(out2, scratch, "sum", input_is_scratch=True)
+        large = rings[0]
+        comm.reduce_scatter(torch.empty(2), torch.ones(2 * n), "sum")
+    finally:
+        ring.reduce_scatter = original  # type: ignore[assignment]
     return (torch.allclose(out, expected), torch.equal(x, keep),
-            torch.allclose(out2, expected * n))
+            torch.allclose(out2, expected * n), large, rings[0] - large)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_ring_reduce_scatter_on_large_inputs(n: int) -> None:
-    for close, untouched, scratch_close in run_on_ranks(_large_reduce_scatter, n):
+    for close, untouched, scratch_close, rings, small_rings in run_on_ranks(
+            _large_reduce_scatter, n):
         assert close and untouched and scratch_close
+        assert (rings, small_rings) == (2, 0)  # both large calls ran the ring, the small none
+
+
+def _two_rank_paths(impl: str) -> tuple[dict[str, int], list[float], list[float]]:
+    """Which ring functions a two-rank all_gather and reduce call (counted), and their
+    values."""
+    from metadist.comm import ring
+
+    r = metadist.world().rank
+    calls = {"all_gather": 0, "reduce_to": 0}
+    originals = {name: getattr(ring, name) for name in calls}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in calls:
+        setattr(ring, name, counting(name))
+    try:
+        gathered = torch.empty(4)
+        comm.all_gather(gathered, torch.tensor([r, 10.0 + r]), impl=impl)  # type: ignore[arg-type]
+        reduced = torch.tensor([r + 1.0])
+        comm.reduce(reduced, dst=0, op="sum", impl=impl)  # type: ignore[arg-type]
+    finally:
+        for name, fn in originals.items():
+            setattr(ring, name, fn)
+    return calls, gathered.tolist(), reduced.tolist()
+
+
+def test_two_rank_all_gather_and_reduce_are_one_exchange_on_gloo() -> None:
+    """README: on gloo, point-to-point rings for two-rank all-gather and reduce; native
+    collectives when asked."""
+    for impl, used in (("auto", 1), ("native", 0)):
+        for r, (calls, gathered, reduced) in enumerate(run_on_ranks(_two_rank_paths, 2,
+                                                                     args=(impl,))):
+            assert calls == {"all_gather": used, "reduce_to": used}, (impl, r)
+            assert gathered == [0.0, 10.0, 1.0, 11.0]
+            if r == 0:
+                assert reduced == [3.0]
 
 
 def _empty_rows() -> tuple[list[int], list[int]]:

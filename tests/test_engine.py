@@ -193,6 +193,22 @@ def test_bilevel_training_matches_single_process(
                    SHARDED_CLIP if clipped_in_float32 else TOL)
 
 
+@pytest.mark.parametrize(("strategy", "nnodes"), [("zero3", 1), ("hsdp", 2)])
+def test_bilevel_training_on_shards_at_four_ranks(
+        strategy: str, nnodes: int,
+        references: dict[tuple[str, bool], dict[str, Tensor]]) -> None:
+    """Under zero3/hsdp the engine's hypergradients run on the lower problem's shards as
+    fast weights (strategies/sharded_fast.py): the same results at 4 ranks, hsdp 2 x 2."""
+    cases = [(m, strategy, ZERO3, False) for m in ("unrolled", "neumann", "cg")]
+    out = run_on_ranks(_train_cases, 4, args=(cases,), nnodes=nnodes, timeout=300)
+    for rank, results in enumerate(out):
+        for (method, _, _, _), (got, steps) in zip(cases, results, strict=True):
+            where = f"{method} {strategy} ws=4 rank={rank}"
+            assert steps == 10, where
+            _close(got, references[(method, False)], where,
+                   SHARDED_CLIP if method == "cg" else TOL)
+
+
 def test_unrolled_engine_equals_hand_written_bilevel_loop() -> None:
     """Plain PyTorch: two real SGD steps of the inner problem, then the upper gradient by
     autograd through the same two steps (replayed from the window's start) plus the direct

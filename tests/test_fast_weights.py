@@ -124,7 +124,8 @@ def _misuse() -> list[str]:
     for attempt in (lambda: mb.functional_forward(fa, torch.randn(2, 3)),
                     lambda: fa + fb,
                     lambda: fa * torch.ones(3),
-                    lambda: fa.like({"0.weight": torch.ones(33, 3)})):
+                    lambda: fa.like({"0.weight": torch.ones(33, 3)}),
+                    lambda: fa.map(lambda p: p / p.norm())):
         try:
             attempt()
             errors.append("no error")
@@ -139,3 +140,23 @@ def test_fast_weights_of_another_model_or_shape_are_refused() -> None:
     assert "different models" in errors[1], errors
     assert "fast.like" in errors[2], errors
     assert "KeyError" in errors[3] and "2.weight" in errors[3], errors
+    assert "not element-wise" in errors[4] and "fast.norm()" in errors[4], errors
+
+
+def _per_piece_norm(strategy: str) -> str:
+    s = metadist.strategy(strategy, **(SHARDED if strategy == "zero3" else {}))
+    model = fast_meta.net()
+    model, _ = s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        model.fast_weights().map(lambda p: p / p.norm())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(("strategy", "n"), [("single", 1), ("ddp", 2), ("zero3", 2)])
+def test_a_per_piece_reduction_raises_under_every_strategy(strategy: str, n: int) -> None:
+    """A piece is a whole parameter under ddp and a flat slice of several under zero3, so a
+    per-piece norm would silently differ between them: it raises everywhere, the same."""
+    for message in run_on_ranks(_per_piece_norm, n, args=(strategy,)):
+        assert "linalg_vector_norm" in message and "not element-wise" in message, message

@@ -25,6 +25,7 @@ from metadist.meta.hypergrad import HypergradConfig, hypergradient
 from metadist.meta.methods import hypergradient_method
 from metadist.meta.problem import Problem, loss_of
 from metadist.meta.response import response
+from metadist.strategies.fast_weights import FastWeights
 
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine
@@ -57,7 +58,7 @@ def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor]:
     if direct:  # no path carried it: the direct gradient at the current parameters
         lower = engine.problems[engine.paths[upper.name][0][1]]
         outer = _loss_fn(engine, upper, lower, upper, names, live=True, scale=True)
-        loss = outer(lower.params(), lam)
+        loss = outer(lower.inner_params(), lam)
         if not loss.requires_grad and total is None:
             first = [n for path in engine.paths[upper.name] for n in path[1:-1]
                      if engine.problems[n].config.first_order]
@@ -88,13 +89,15 @@ def path_gradient(engine: Engine, upper: Problem, chain: list[Problem], names: l
         nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
         method, config = method_of(curr, nxt)
         params = (curr._theta0 if hypergradient_method(method).replays_steps
-                  else curr.params(clone=not curr.replicated))
+                  else curr.inner_params(clone=not curr.replicated))
         inner = _inner_fn(engine, nxt, curr, nxt_names)
         if i == 0:
             outer = _loss_fn(engine, upper, curr, nxt, nxt_names,
                              live=direct and nxt is upper, scale=True)
             v = hypergradient(method, outer, inner, params, nxt_lam, config, grad_sync=sync)
         else:
+            if isinstance(params, FastWeights):  # v: whole, in full_parameters()' order
+                v = params.like(dict(zip(params.layout.names, v, strict=True))).pieces
             v = response(method, v, inner, params, nxt_lam, config, grad_sync=sync)
     return v
 

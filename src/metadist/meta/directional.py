@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from metadist.meta import fast_space
 from metadist.meta.optim import GradSync
 
 LossFn = Callable[[Any, tuple[Tensor, ...]], Any]
@@ -91,7 +92,7 @@ def _lam(hparams: Sequence[Tensor] | Tensor) -> tuple[Tensor, ...]:
 
 
 def _sync(grad_sync: GradSync | None, tensors: Sequence[Tensor]) -> list[Tensor]:
-    return list(tensors) if grad_sync is None else list(grad_sync(tuple(tensors)))
+    return list(fast_space.sync(grad_sync, tensors))
 
 
 def _grad(out: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -99,7 +100,11 @@ def _grad(out: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
 
 
 def _norm(v: Sequence[Tensor]) -> float:
-    return float(torch.cat([x.reshape(-1) for x in v]).norm())
+    """|v| over every inner parameter (over every shard, inside ``fast_space.over``)."""
+    flat = torch.cat([x.reshape(-1) for x in v])
+    if not fast_space.sharded_now():
+        return float(flat.norm())
+    return float(fast_space.over_theta((flat * flat).sum()).sqrt())
 
 
 def scaled(v: list[Tensor], scale: Any) -> list[Tensor]:
@@ -107,6 +112,10 @@ def scaled(v: list[Tensor], scale: Any) -> list[Tensor]:
     if scale is None:
         return v
     leaves, _ = tree_flatten(scale)
+    if len(leaves) != len(v) or any(s.shape != x.shape for s, x in zip(leaves, v,
+                                                                         strict=False)):
+        raise ValueError("SamaConfig.scale must be laid out like params: for fast weights "
+                         "(model.fast_weights()), pass fast.like({name: scale})")
     return [s.to(x.dtype) * x for s, x in zip(leaves, v, strict=True)]
 
 
@@ -119,9 +128,10 @@ def _shifted(theta: list[Tensor], v: Sequence[Tensor], eps: float) -> tuple[list
 def outer_grads(outer_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
                 grad_sync: GradSync | None) -> tuple[list[Tensor], list[Tensor]]:
     """(dF/dtheta, dF/dlam) at ``theta``, synced together."""
-    f = outer_loss_fn(tree_unflatten(theta, spec), lam)
-    both = _sync(grad_sync, _grad(f, [*theta, *lam]))
-    return both[:len(theta)], both[len(theta):]
+    with fast_space.over(spec):
+        f = outer_loss_fn(tree_unflatten(theta, spec), lam)
+        both = fast_space.sync_split(grad_sync, _grad(f, [*theta, *lam]), len(theta), spec)
+    return list(both[:len(theta)]), list(both[len(theta):])
 
 
 def mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
@@ -129,6 +139,13 @@ def mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[T
              sign: float = 1.0) -> list[Tensor]:
     """sign * M.w ~ sign * (dG/dlam(theta + eps w) - dG/dlam(theta - eps w)) / (2 eps),
     eps = r / |w| (both sides synced in one collective; the sign folded into the division)."""
+    with fast_space.over(spec):
+        return _mixed_fd(inner_loss_fn, theta, spec, lam, w, r, grad_sync, sign)
+
+
+def _mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
+              w: Sequence[Tensor], r: float, grad_sync: GradSync | None, sign: float
+              ) -> list[Tensor]:
     eps = r / (_norm(w) + _TINY)
     plus, minus = _shifted(theta, w, eps)
     g_plus = _grad(inner_loss_fn(tree_unflatten(plus, spec), lam), lam)
@@ -148,8 +165,10 @@ def sama(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     theta, spec = _flat(params)
     lam = _lam(hparams)
     v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
-    v = scaled(v, cfg.scale)
-    if _norm(v) == 0:
+    v = scaled(v, fast_space.laid_out(cfg.scale, spec))
+    with fast_space.over(spec):
+        zero = _norm(v) == 0
+    if zero:
         return tuple(d.detach() for d in direct)
     mixed = mixed_fd(inner_loss_fn, theta, spec, lam, v, cfg.r, grad_sync)
     return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
@@ -184,7 +203,8 @@ def reinforce_product(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any,
                       lam: tuple[Tensor, ...], v: Sequence[Tensor], cfg: ReinforceConfig,
                       grad_sync: GradSync | None) -> list[Tensor]:
     """xi * (score-function estimate of M.v) at ``theta``."""
-    norm = _norm(v)
+    with fast_space.over(spec):
+        norm = _norm(v)
     if norm == 0 or cfg.xi == 0:
         return [t.new_zeros(t.shape) for t in lam]
     eps = cfg.r / (norm + _TINY)

@@ -218,7 +218,7 @@ class Engine:
         if p._window >= p.config.unroll_steps and p.micro_steps % gas == 0:
             p._window = 0  # a new unroll window opens with this step
             if p.name in self._replays:
-                p._theta0, p._record = p.params(clone=True), []
+                p._theta0, p._record = p.inner_params(clone=True), []
         p.batch = p.next_batch()
         if p.name in self._replays:
             if p.micro_steps % gas == 0:
@@ -303,8 +303,8 @@ class Engine:
                     continue  # its own parameters, which its module holds
                 if params is None:
                     params = problem.wrapped.full_parameters()
-                elif params is _UNSET:
-                    params = problem.params()
+                elif params is _UNSET:  # zero3/hsdp: detached shard pieces, not whole copies
+                    params = problem.inner_params()
                 stack.enter_context(problem.bound(params))  # type: ignore[arg-type]
             yield
 

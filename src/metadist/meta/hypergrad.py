@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from metadist.meta import fast_space
 from metadist.meta.directional import ReinforceConfig, SamaConfig
 from metadist.meta.methods import Solve, Vec, hypergradient_method
 from metadist.meta.optim import GradSync
@@ -135,8 +136,7 @@ def _prepare(params: Any, hparams: Sequence[Tensor] | Tensor
     return theta, spec, lam
 
 
-def _sync(grad_sync: GradSync | None, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    return tuple(tensors) if grad_sync is None else tuple(grad_sync(tuple(tensors)))
+_sync = fast_space.sync
 
 
 def _grad(out: Tensor, inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor] | None = None,
@@ -155,15 +155,16 @@ def _scalar(value: Tensor, what: str) -> Tensor:
 
 
 def _dot(a: Vec, b: Vec) -> Tensor:
-    return sum(((x * y).sum() for x, y in zip(a, b, strict=True)), torch.zeros((), dtype=a[0].dtype,
-                                                                             device=a[0].device))
+    local = sum(((x * y).sum() for x, y in zip(a, b, strict=True)),
+                torch.zeros((), dtype=a[0].dtype, device=a[0].device))
+    return fast_space.over_theta(local)  # over every shard where theta is shard pieces
 
 
 def _outer_grads(outer_loss_fn: LossFn, theta: Vec, spec: Any, lam: tuple[Tensor, ...],
                  grad_sync: GradSync | None) -> tuple[Vec, Vec]:
     """(gF_theta, gF_lam), synced together in one call."""
     f = _scalar(outer_loss_fn(tree_unflatten(theta, spec), lam), "outer_loss_fn")
-    both = _sync(grad_sync, _grad(f, [*theta, *lam]))
+    both = fast_space.sync_split(grad_sync, _grad(f, [*theta, *lam]), len(theta), spec)
     return list(both[:len(theta)]), list(both[len(theta):])
 
 
@@ -174,8 +175,9 @@ def implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     """gF_lam - M.inv(H) gF_theta at the inner solution, ``solve(hvp, v) ~ inv(H) v``
     (``hvp(w)`` is the synced H.w): the frame :func:`neumann` and :func:`cg` fill in."""
     theta, spec, lam = _prepare(params, hparams)
-    v, direct = _outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
-    mixed = implicit_product(v, inner_loss_fn, theta, spec, lam, grad_sync, solve)
+    with fast_space.over(spec):
+        v, direct = _outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
+        mixed = implicit_product(v, inner_loss_fn, theta, spec, lam, grad_sync, solve)
     return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
 
 
@@ -183,15 +185,16 @@ def implicit_product(v: Vec, inner_loss_fn: LossFn, theta: Vec, spec: Any,
                      lam: tuple[Tensor, ...], grad_sync: GradSync | None, solve: Solve
                      ) -> tuple[Tensor, ...]:
     """M.solve(H, v) at ``theta`` (fresh leaves), every product synced."""
-    inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
-    # This rank's dG/dtheta with its graph: every H.v and M.v differentiate it again,
-    # locally, and the products (not dG/dtheta) are synced, so each is the global one.
-    g = _grad(inner, theta, create_graph=True)
+    with fast_space.over(spec):
+        inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
+        # This rank's dG/dtheta with its graph: every H.v and M.v differentiate it again,
+        # locally, and the products (not dG/dtheta) are synced, so each is the global one.
+        g = _grad(inner, theta, create_graph=True)
 
-    def hvp(w: Vec) -> Vec:
-        return list(_sync(grad_sync, _grad_of(g, theta, w)))
+        def hvp(w: Vec) -> Vec:
+            return list(fast_space.sync_theta(grad_sync, _grad_of(g, theta, w), spec))
 
-    return _sync(grad_sync, _grad_of(g, lam, solve(hvp, v)))
+        return _sync(grad_sync, _grad_of(g, lam, solve(hvp, v)))
 
 
 def _grad_of(g: Sequence[Tensor], inputs: Sequence[Tensor], w: Vec) -> tuple[Tensor, ...]:
@@ -313,8 +316,15 @@ def darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     both dG/dlam(w +- eps v), so the result is the global-batch approximation."""
     cfg = config or DartsConfig()
     theta, spec, lam = _prepare(params, hparams)
+    with fast_space.over(spec):
+        return _darts(outer_loss_fn, inner_loss_fn, theta, spec, lam, cfg, grad_sync)
+
+
+def _darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, theta: Vec, spec: Any,
+           lam: tuple[Tensor, ...], cfg: DartsConfig, grad_sync: GradSync | None
+           ) -> tuple[Tensor, ...]:
     inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
-    step = _sync(grad_sync, _grad(inner, theta))
+    step = fast_space.sync_theta(grad_sync, _grad(inner, theta), spec)
     virtual = [(p - cfg.xi * s).detach().requires_grad_(True)
                for p, s in zip(theta, step, strict=True)]
     v, direct = _outer_grads(outer_loss_fn, virtual, spec, lam, grad_sync)
@@ -343,16 +353,18 @@ def unrolled(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
     (differentiably) and the final dF/dlam, so the result is the global-batch hypergradient."""
     cfg = config or UnrolledConfig()
     theta, spec, lam = _prepare(params, hparams)
-    tree = tree_unflatten(theta, spec)
-    state = cfg.optimizer.init(tree)
-    for _ in range(cfg.steps):
-        inner = _scalar(inner_loss_fn(tree, lam), "inner_loss_fn")
-        grads = _sync(grad_sync, _grad(inner, tree_flatten(tree)[0], create_graph=True))
-        updates, state = cfg.optimizer.update(tree_unflatten(list(grads), spec), state,
-                                              params=tree)
-        tree = apply_updates(tree, updates)
-    outer = _scalar(outer_loss_fn(tree, lam), "outer_loss_fn")
-    return tuple(g.detach() for g in _sync(grad_sync, _grad(outer, lam)))
+    with fast_space.over(spec):
+        tree = tree_unflatten(theta, spec)
+        state = cfg.optimizer.init(tree)
+        for _ in range(cfg.steps):
+            inner = _scalar(inner_loss_fn(tree, lam), "inner_loss_fn")
+            grads = fast_space.sync_theta(
+                grad_sync, _grad(inner, tree_flatten(tree)[0], create_graph=True), spec)
+            updates, state = cfg.optimizer.update(tree_unflatten(list(grads), spec), state,
+                                                  params=tree)
+            tree = apply_updates(tree, updates)
+        outer = _scalar(outer_loss_fn(tree, lam), "outer_loss_fn")
+        return tuple(g.detach() for g in _sync(grad_sync, _grad(outer, lam)))
 
 
 # ----- by name ----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from metadist.meta.config import ProblemConfig
 from metadist.meta.modules import trainable_slots
 from metadist.strategies.base import Strategy
 from metadist.strategies.bind import bind_parameters
+from metadist.strategies.fast_weights import FastWeights
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import Part, paste
 
@@ -91,7 +92,7 @@ class Problem(ABC):
         self.replicated = True
         self._names: frozenset[str] = frozenset()  # trainable, for run_with's check
         self._trainable: list[Tensor] = []
-        self._bound_params: Mapping[str, Tensor] | None = None  # inside bound()
+        self._bound_params: Mapping[str, Tensor] | FastWeights | None = None  # in bound()
         self._engine: Engine | None = None
         self._iterator: Any = None
         # step counters: micro-batches, optimizer steps, steps in the current unroll window
@@ -100,7 +101,7 @@ class Problem(ABC):
         self._window = self.config.unroll_steps  # "complete": the first step opens a window
         self._ready: set[str] = set()
         # "unrolled" replays: parameters at the window's start and each step's (batch, share)s
-        self._theta0: dict[str, Tensor] = {}
+        self._theta0: dict[str, Tensor] | FastWeights = {}
         self._record: list[list[tuple[Any, float]]] = []
         self.last_loss: Tensor | None = None
 
@@ -132,6 +133,8 @@ class Problem(ABC):
         weights (e.g. a weight decay a hyperparameter controls)."""
         if self._engine is not None and self._engine.validating and self._replica is not None:
             return {n: p for n, p in self._replica.named_parameters() if p.requires_grad}
+        if isinstance(self._bound_params, FastWeights):
+            return self._bound_params.full()  # gathered, differentiable into the pieces
         if self._bound_params is not None:
             return dict(self._bound_params)
         return self.wrapped.full_parameters()
@@ -214,6 +217,16 @@ class Problem(ABC):
         device = self.strategy.device
         return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, batch)
 
+    def inner_params(self, *, clone: bool = False) -> dict[str, Tensor] | FastWeights:
+        """The parameters a hypergradient takes as its inner parameters: :meth:`params`,
+        or under zero3/hsdp this rank's shard pieces as fast weights (detached), so that a
+        hypergradient through unrolled steps holds shards, not whole copies
+        (strategies/sharded_fast.py; the results are the same)."""
+        if self.replicated:
+            return self.params(clone=clone)
+        fast = self.wrapped.fast_weights()
+        return fast.map(lambda t: t.detach().clone() if clone else t.detach())
+
     def params(self, *, clone: bool = False) -> dict[str, Tensor]:
         """This problem's current full parameters by name, detached (cloned with
         ``clone=True``: the optimizer step updates replicated parameters in place)."""
@@ -244,10 +257,10 @@ class Problem(ABC):
         return self._trainable
 
     @contextmanager
-    def bound(self, params: Mapping[str, Tensor]) -> Iterator[None]:
+    def bound(self, params: Mapping[str, Tensor] | FastWeights) -> Iterator[None]:
         """Within: this problem's module holds ``params`` for every path that reaches it
-        (:meth:`~metadist.strategies.DistributedModule.bound`), and
-        :meth:`parameters_dict` returns them."""
+        (:meth:`~metadist.strategies.DistributedModule.bound`; fast weights on shards: every
+        forward of its units gathers them), and :meth:`parameters_dict` returns them."""
         outer, self._bound_params = self._bound_params, params
         try:
             with self.wrapped.bound(params):

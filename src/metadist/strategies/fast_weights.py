@@ -31,11 +31,14 @@ collective). Anything else that would need a whole parameter goes through
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves
 
 
 class FastLayout(Protocol):
@@ -43,6 +46,7 @@ class FastLayout(Protocol):
     the group's gradient and reductions are formed."""
 
     names: tuple[str, ...]  # the parameters, by the user's module's names
+    sharded: bool  # pieces are slices of flat shards (zero3/hsdp), not whole parameters
 
     def group_size(self) -> int:
         """Ranks cooperating on one inner problem."""
@@ -66,6 +70,13 @@ class FastLayout(Protocol):
     def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
         """Full tensors by name (collective where pieces are shards)."""
 
+    def mean_of_local(self, grads: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """Sharded layouts: the mean over ranks of every rank's own gradient, from
+        gradients taken with respect to the pieces (see sharded_fast.py)."""
+
+    def recording(self) -> AbstractContextManager[Any]:
+        """Around a backward that records a graph: keeps what it saves as shards."""
+
 
 @dataclass(frozen=True, eq=False)
 class FastWeights:
@@ -78,10 +89,14 @@ class FastWeights:
     def map(self, fn: Callable[..., Tensor], *others: FastWeights | Tensor | float
             ) -> FastWeights:
         """``fn`` applied piece by piece (with the matching pieces of ``others``, or a
-        scalar): ``fn`` must be element-wise, e.g. ``lambda m, v: m / (v.sqrt() + eps)``."""
+        scalar): ``fn`` must be element-wise, e.g. ``lambda m, v: m / (v.sqrt() + eps)``.
+        A piece is a whole parameter under some strategies and a flat slice of several
+        under zero3/hsdp, so anything else (a sum, a norm, a reshape) would mean different
+        things: it raises under every strategy."""
         args = [self._pieces_of(o) for o in others]
-        return FastWeights(self.layout, tuple(fn(p, *(a[i] for a in args))
-                                              for i, p in enumerate(self.pieces)))
+        with ElementwiseOnly():
+            return FastWeights(self.layout, tuple(fn(p, *(a[i] for a in args))
+                                                  for i, p in enumerate(self.pieces)))
 
     def _pieces_of(self, other: FastWeights | Tensor | float) -> Sequence[Any]:
         if isinstance(other, FastWeights):
@@ -178,9 +193,54 @@ class FastWeights:
         return self.layout.replicas()[1]
 
 
+# A pytree node: the hypergradient functions (metadist.meta) take fast weights as params.
+register_pytree_node(FastWeights, lambda f: (list(f.pieces), f.layout),
+                     lambda pieces, layout: FastWeights(layout, tuple(pieces)),
+                     serialized_type_name="metadist.FastWeights")
+
+
+def layout_of(spec: TreeSpec) -> Any:
+    """The layout when a flattened pytree is fast weights (its leaves their pieces)."""
+    return spec.context if spec.type is FastWeights else None
+
+
+# Operators that keep their input's shape but combine elements along it.
+_ALONG = frozenset({"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "sort",
+                    "argsort", "flip", "roll", "_softmax", "_log_softmax", "softmax",
+                    "log_softmax", "renorm", "gather", "scatter", "scatter_add",
+                    "index_select", "take", "put", "_fft_r2c", "_fft_c2c", "_fft_c2r"})
+
+
+class ElementwiseOnly(TorchDispatchMode):
+    """Inside: an operator whose output is not its inputs' broadcast shape (a reduction, a
+    view that reshapes, indexing) or that combines elements along a dimension raises."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0].rstrip("_")
+        shapes = [t.shape for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        expected = torch.broadcast_shapes(*shapes) if shapes else None
+        bad = name in _ALONG or any(
+            isinstance(t, Tensor) and expected is not None and t.shape != expected
+            for t in tree_leaves(out))
+        if bad:
+            raise ValueError(
+                f"fast-weight arithmetic ran {func.__name__}, which is not element-wise: a "
+                "piece of fast weights is a whole parameter under some strategies and a flat "
+                "slice of several under zero3/hsdp, so it would mean different things. Use "
+                "fast.dot(other) or fast.norm() for a sum over every parameter (one "
+                "collective where sharded), fast.like({name: tensor}) for per-parameter "
+                "values (a learning rate per parameter), or model.functional_forward(fast, "
+                "...) for anything that needs whole parameters")
+        return out
+
+
 class ReplicatedLayout:
     """Fast weights as full tensors, identical on every rank (single, dp, ddp, zero1,
     zero2): the group is every rank, and the inner gradient their mean."""
+
+    sharded = False
 
     def __init__(self, names: Sequence[str], scale: Callable[[], float] | None) -> None:
         self.names = tuple(names)
@@ -222,6 +282,12 @@ class ReplicatedLayout:
 
     def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
         return dict(zip(self.names, pieces, strict=True))
+
+    def mean_of_local(self, grads: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        raise TypeError("whole fast weights have local gradients: sync them with grad_sync")
+
+    def recording(self) -> AbstractContextManager[Any]:
+        return nullcontext()
 
 
 def require_all(names: Sequence[str], values: Mapping[str, Tensor]) -> None:

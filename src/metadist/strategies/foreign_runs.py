@@ -17,11 +17,13 @@ stops with an error naming the parameter and what to read instead.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 #: libraries whose meta-learning idioms reach a model by such paths, and by which calls
 _LIBRARIES = {
@@ -92,6 +94,34 @@ def _library_on_stack() -> str | None:
     return None
 
 
+#: Given a placeholder, the values a computation running now binds to it (None: nothing
+#: binds it). zero3/hsdp fast weights register theirs (strategies/sharded_fast.py): within
+#: a problem's computation on fast weights every path reads them, not only the units'
+#: forwards.
+RESOLVERS: list[Callable[[Any], torch.Tensor | None]] = []
+
+
+def resolved(source: Any) -> torch.Tensor | None:
+    """The values a computation running now binds to the parameter at ``source`` (a
+    placeholder's (flat, slot index)), or None."""
+    if source is None:
+        return None
+    return next((v for r in RESOLVERS if (v := r(source)) is not None), None)
+
+
+def _resolve(tree: Any) -> Any:
+    """``tree`` with every placeholder replaced by its resolved values; None if one has
+    none."""
+    leaves, spec = tree_flatten(tree)
+    out = []
+    for leaf in leaves:
+        value = resolved(leaf.source) if isinstance(leaf, Placeholder) else leaf
+        if value is None:
+            return None
+        out.append(value)
+    return tree_unflatten(out, spec)
+
+
 #: what a placeholder answers without data (its description), by function or property name
 _DESCRIBES = frozenset({
     "shape", "dtype", "device", "is_meta", "size", "dim", "ndim", "numel", "requires_grad",
@@ -105,11 +135,13 @@ class Placeholder(torch.Tensor):
     parameter, and refuses any computation with an error that names it."""
 
     fqn: str
+    source: Any  # (flat, slot index): where the values are, for a resolver
 
     @staticmethod
-    def __new__(cls, fqn: str, shape: torch.Size, dtype: torch.dtype) -> Placeholder:
+    def __new__(cls, fqn: str, shape: torch.Size, dtype: torch.dtype,
+                source: Any = None) -> Placeholder:
         out = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
-        out.fqn = fqn
+        out.fqn, out.source = fqn, source
         return out
 
     @classmethod
@@ -121,6 +153,10 @@ class Placeholder(torch.Tensor):
         if name in _DESCRIBES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        resolved = _resolve((args, kwargs or {}))
+        if resolved is not None:  # the values the running computation binds
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*resolved[0], **resolved[1])
         held = next((a for a in args if isinstance(a, Placeholder)), None)
         fqn = held.fqn if held is not None else "a parameter"
         raise RuntimeError(

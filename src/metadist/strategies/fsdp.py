@@ -147,6 +147,8 @@ class ShardedModule(DistributedModule):
         return output
 
     def pre_forward(self) -> None:
+        if sharded_fast.active_for(self.module) is not None:
+            return  # on fast weights (bound()): their forward gathers
         if not explicit_parameters_active(self.module):
             self._schedule.end_forward()
             self.units[-1].gather_for_step()  # the root unit stays gathered through the step
@@ -176,6 +178,8 @@ class ShardedModule(DistributedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_own_run()
+        if sharded_fast.active_for(self.module) is not None:  # inside bound(fast weights)
+            return self.run(self.module, args, kwargs)
         out = super().forward(*args, **kwargs)
         self._schedule.end_forward()
         if torch.is_grad_enabled():
@@ -234,12 +238,17 @@ class ShardedModule(DistributedModule):
             raise ValueError(f"{who} got unknown parameter names {unknown}; use the names of "
                              "model.full_parameters()")
 
-    def bound(self, params: Mapping[str, torch.Tensor]) -> Rebinding:
+    def bound(self, params: Mapping[str, torch.Tensor] | FastWeights
+              ) -> AbstractContextManager[Any]:
         """The user's module holds full parameters for the block: ``params`` where given,
         gathered copies of its own elsewhere (frozen ones too, which no unit gathers for a
         module bound explicitly), in each attribute and in ``_parameters``, so that its
         forward, methods, attributes, ``named_parameters()`` and ``state_dict()`` read them
-        as one process's module would."""
+        as one process's module would. Fast weights (:meth:`fast_weights`) instead: every
+        forward of the module's units within the block gathers them, one unit at a time."""
+        if isinstance(params, FastWeights):
+            return sharded_fast.fast_forward(self.module, self._pieces_of(params),
+                                             self.units[-1], self.flats)
         self._check_names(params, "bound")
         placed: list[tuple[Place, torch.Tensor]] = []
         for flat in self.flats:
@@ -260,6 +269,11 @@ class ShardedModule(DistributedModule):
         if recurse and explicit_parameters_active(self.module):
             inner = f"{prefix}.module" if prefix else "module"
             return self.module.named_parameters(inner, recurse, remove_duplicate)
+        running = sharded_fast.active_for(self.module)
+        if recurse and running is not None:  # inside bound(fast weights): theirs, whole
+            inner = f"{prefix}.module." if prefix else "module."
+            return iter([(inner + slot.fqn, running.whole(flat, i))  # type: ignore[misc]
+                         for flat in self.flats for i, slot in enumerate(flat.slots)])
         return super().named_parameters(prefix, recurse, remove_duplicate)
 
     def fast_weights(self) -> FastWeights:
@@ -308,13 +322,16 @@ class ShardedModule(DistributedModule):
                       kwargs: dict[str, Any]) -> Any:
         """The forward on shard fast weights: each unit gathered from its piece as its
         members run, the root unit throughout (strategies/sharded_fast.py)."""
+        with sharded_fast.fast_forward(self.module, self._pieces_of(fast), self.units[-1],
+                                       self.flats):
+            return self.run(self.module, args, kwargs)
+
+    def _pieces_of(self, fast: FastWeights) -> dict[FlatParam, torch.Tensor]:
         if not isinstance(fast.layout, sharded_fast.ShardedLayout) or \
                 fast.layout is not self._fast_layout:
-            raise ValueError("functional_forward got fast weights of another model; use "
-                             "this model's model.fast_weights()")
-        pieces = fast.layout.by_flat(fast.pieces)
-        with sharded_fast.fast_forward(self.module, pieces, self.units[-1]):
-            return self.run(self.module, args, kwargs)
+            raise ValueError("got fast weights of another model; use this model's "
+                             "model.fast_weights()")
+        return fast.layout.by_flat(fast.pieces)
 
     # state_dict/load_state_dict: DistributedModule's, on the user's module, whose modules
     # get their parameters back from the shards through strategies/state_dict.py's hooks.
@@ -395,8 +412,8 @@ class Zero3Strategy(Strategy):
                 offload=self.config.cpu_offload, param_dtype=parse_dtype(self.config.param_dtype),
                 reduce_dtype=self.reduce_dtype, scale=self.grad_scale,
                 coordinator=coordinator))
-            for slot, p in zip(slots, originals, strict=True):
-                placeholder = Placeholder(slot.fqn, slot.shape, p.dtype)
+            for index, (slot, p) in enumerate(zip(slots, originals, strict=True)):
+                placeholder = Placeholder(slot.fqn, slot.shape, p.dtype, (flats[-1], index))
                 flats[-1].placeholders.append(placeholder)
                 for module, attr in slot.uses:
                     module._parameters.pop(attr, None)  # now a plain attribute, bound per forward

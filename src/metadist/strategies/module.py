@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
 
 from metadist.precision import Precision
-from metadist.strategies.bind import Rebinding, bind_parameters
+from metadist.strategies.bind import bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
 from metadist.strategies.fast_weights import FastWeights, ReplicatedLayout
 from metadist.strategies.grad_norm import Split
@@ -173,13 +174,16 @@ class DistributedModule(nn.Module):
         with bind_parameters(self.module, params):
             return self.run(self.module, args, kwargs)
 
-    def bound(self, params: Mapping[str, torch.Tensor]) -> Rebinding:
+    def bound(self, params: Mapping[str, torch.Tensor] | FastWeights
+              ) -> AbstractContextManager[Any]:
         """A block within which the user's module holds ``params`` (names as in
         :meth:`full_parameters`; buffers too) in place of its own, for every path that
         reaches them: forwards, the module's methods and attributes, ``named_parameters()``,
         ``state_dict()``, as an in-place change of a plain module's parameters would show;
         restored on exit. The meta engine runs a problem's whole computation in one."""
         self.wait_params()
+        if isinstance(params, FastWeights):  # whole tensors here
+            params = params.full()
         return bind_parameters(self.module, params)
 
     def split_gradients(self) -> dict[torch.Tensor, Split]:

@@ -97,13 +97,25 @@ class Gathered:
     """One gather of a piece: what its saved views refer to, and the second-order gradient
     diverted to it (this rank's shard of it) until its backward takes it."""
 
-    __slots__ = ("aside", "flat", "node", "piece", "version")
+    __slots__ = ("aside", "flat", "node", "piece", "used", "version")
 
     def __init__(self, piece: Tensor, flat: FlatParam, full: Tensor) -> None:
         self.piece, self.flat = piece, flat
         self.node = full.grad_fn  # the gather's backward (None without a graph)
         self.version = full._version  # a later in-place change makes saved views unsafe
         self.aside: Tensor | None = None
+        # The sequence numbers of the nodes the forward built while the unit ran: those
+        # consume the buffer as the forward does, and their gradient is not diverted (it
+        # reaches this gather's backward in its turn, and would only cost a reduce-scatter).
+        start = torch._C._autograd._get_sequence_nr()
+        self.used = (start, start)
+
+    def unit_left(self) -> None:
+        """The unit's members have run: the forward's own consumers are all built."""
+        self.used = (self.used[0], torch._C._autograd._get_sequence_nr())
+
+    def built_by_forward(self, node: Any) -> bool:
+        return bool(self.used[0] <= node._sequence_nr() < self.used[1])
 
     def divert(self, grad: Tensor, view: _Packed) -> None:
         """Scatter the gradient of a saved view of this buffer into this rank's shard."""
@@ -197,7 +209,8 @@ class _Diverter:
                 seen.add(id(built))
                 edges = {i: targets[(id(nxt), nr)] for i, (nxt, nr)
                          in enumerate(built.next_functions)
-                         if nxt is not None and (id(nxt), nr) in targets}
+                         if nxt is not None and (id(nxt), nr) in targets
+                         and not targets[(id(nxt), nr)].gathered.built_by_forward(built)}
                 if edges:
                     self._hook(built, edges)
                 following += [nxt for nxt, _ in built.next_functions

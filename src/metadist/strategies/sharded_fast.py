@@ -21,8 +21,9 @@ applied once, where the gradient enters the model's shard (:class:`_Start`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ from metadist.strategies.flat import (
     shard_grads_allowed,
     split_views,
 )
+from metadist.strategies.foreign_runs import RESOLVERS
 from metadist.strategies.shard_gather import (
     Gathered,
     all_gather,
@@ -93,21 +95,43 @@ class _Start(torch.autograd.Function):
         accumulating = flat.acc_node is not None and will_accumulate(flat.acc_node)
         if not accumulating and not shard_grads_allowed():
             refuse_shard_grad()
+        _check_weights_once(flat)
         g = grad * flat.scale()
         if g.numel() < flat.shard_size:  # the padding: no gradient
             g = torch.cat([g, g.new_zeros(flat.shard_size - g.numel())])
-        if flat.replicate_group is not SELF:
-            if torch.is_grad_enabled():
-                g = functional.all_reduce(g, "sum", group=flat.replicate_group)
-            else:
-                g = g.clone()
-                ops.all_reduce(g, "sum", group=flat.replicate_group)
+        g = _sum_replicas(g, flat)
         if accumulating:
             flat.gradient_added(None)  # the first fast weights use every element
         return g, None
 
 
-def gather(piece: Tensor, flat: FlatParam) -> Tensor:
+_checked_in_backward = [False]
+
+
+def _check_weights_once(flat: FlatParam) -> None:
+    """The strategy's weight is right only if it is every rank's (check_even_weights): one
+    collective per backward, at its first :class:`_Start` (the same on every rank)."""
+    if _checked_in_backward[0]:
+        return
+    check_even_weights(flat.scale())
+    _checked_in_backward[0] = True
+    torch.autograd.Variable._execution_engine.queue_callback(
+        lambda: _checked_in_backward.__setitem__(0, False))
+
+
+def _sum_replicas(g: Tensor, flat: FlatParam) -> Tensor:
+    """``g`` summed across hsdp's replica groups (differentiably where a graph is being
+    recorded); itself elsewhere."""
+    if flat.replicate_group is SELF:
+        return g
+    if torch.is_grad_enabled():
+        return functional.all_reduce(g, "sum", group=flat.replicate_group)
+    out = g.clone()
+    ops.all_reduce(out, "sum", group=flat.replicate_group)
+    return out
+
+
+def gather(piece: Tensor, flat: FlatParam) -> tuple[Tensor, Gathered]:
     """``piece`` whole: through :class:`_FastGather` where gradients flow, else plain; its
     views are kept as shards when autograd saves them."""
     if torch.is_grad_enabled() and piece.requires_grad:
@@ -118,7 +142,7 @@ def gather(piece: Tensor, flat: FlatParam) -> Tensor:
         out = all_gather(piece, flat)
         holder = [Gathered(piece, flat, out)]
     register(out, holder[0])
-    return out
+    return out, holder[0]
 
 
 # ----- the forward ---------------------------------------------------------------------------
@@ -126,54 +150,74 @@ class FastForward:
     """One ``functional_forward`` on fast weights: units gathered from the pieces as their
     members run (the model's unit hooks route here), let go after them."""
 
-    def __init__(self, pieces: Mapping[FlatParam, Tensor], root_unit: Unit) -> None:
-        self.pieces, self.root_unit = pieces, root_unit
-        self._open: dict[Unit, tuple[int, list[Saved], list[Tensor]]] = {}
+    def __init__(self, pieces: Mapping[FlatParam, Tensor], root_unit: Unit,
+                 flats: Sequence[FlatParam]) -> None:
+        self.pieces, self.root_unit, self.flats = pieces, root_unit, frozenset(flats)
+        self._open: dict[Unit, tuple[int, list[Saved], list[Gathered]]] = {}
+        self._whole: dict[FlatParam, list[Tensor]] = {}  # read outside the units' forwards
+
+    def whole(self, flat: FlatParam, index: int) -> Tensor:
+        """Parameter ``index`` of ``flat`` on these fast weights, gathered (differentiably)
+        for a read outside its unit's forward, e.g. a loss computed through a module's
+        method; kept for the rest of this computation."""
+        views = self._whole.get(flat)
+        if views is None:
+            piece = self.pieces.get(flat, flat.shard)
+            full, _ = gather(piece if flat.shard.requires_grad else flat.shard.detach(), flat)
+            views = self._whole[flat] = split_views(full, flat)
+        return views[index]
 
     def enter(self, unit: Unit) -> None:
-        running, saved, held = self._open.get(unit, (0, [], []))
+        running, saved, made = self._open.get(unit, (0, [], []))
         if not running:
-            saved, held = self._bind(unit)
-        self._open[unit] = (running + 1, saved, held)
+            saved, made = self._bind(unit)
+        self._open[unit] = (running + 1, saved, made)
 
     def leave(self, unit: Unit) -> None:
-        running, saved, held = self._open[unit]
+        running, saved, made = self._open[unit]
         if running > 1:
-            self._open[unit] = (running - 1, saved, held)
+            self._open[unit] = (running - 1, saved, made)
             return
         del self._open[unit]
-        restore(saved)  # the placeholders back; the buffers live on only in the graph
+        self._let_go(saved, made)
 
     def close(self) -> None:
         for unit in list(self._open):
-            restore(self._open.pop(unit)[1])
+            self._let_go(*self._open.pop(unit)[1:])
 
-    def _bind(self, unit: Unit) -> tuple[list[Saved], list[Tensor]]:
+    @staticmethod
+    def _let_go(saved: list[Saved], made: list[Gathered]) -> None:
+        restore(saved)  # the placeholders back; the buffers live on only in the graph
+        for gathered in made:
+            gathered.unit_left()
+
+    def _bind(self, unit: Unit) -> tuple[list[Saved], list[Gathered]]:
         placed: list[tuple[tuple[dict[str, Any], str], Tensor]] = []
-        held = []
+        made = []
         for flat in unit.flats:
             piece = self.pieces.get(flat, flat.shard)
-            full = gather(piece if flat.shard.requires_grad else flat.shard.detach(), flat)
-            held.append(full)
+            full, gathered = gather(piece if flat.shard.requires_grad
+                                    else flat.shard.detach(), flat)
+            made.append(gathered)
             for slot, view in zip(flat.slots, split_views(full, flat), strict=True):
                 placed += [(place_of(module, attr), view) for module, attr in slot.uses]
-        return write(placed), held
+        return write(placed), made
 
 
-_ACTIVE: ContextVar[tuple[int, FastForward] | None] = ContextVar("metadist_fast_forward",
-                                                                 default=None)
+#: the fast forwards running now, by the id of their model's user module
+_ACTIVE: ContextVar[Mapping[int, FastForward]] = ContextVar(
+    "metadist_fast_forward", default=MappingProxyType({}))
 
 
 def active_for(root: nn.Module) -> FastForward | None:
     """The fast forward running on ``root`` (a zero3 model's user module), if any."""
-    running = _ACTIVE.get()
-    return running[1] if running is not None and running[0] == id(root) else None
+    return _ACTIVE.get().get(id(root))
 
 
 class Resumed:
-    """Makes the fast forward that was running when this was made run again while entered
-    (re-enterable): activation checkpointing's recomputation in backward runs the blocks on
-    the same fast weights, not on the model's shards."""
+    """Makes the fast forwards that were running when this was made run again while
+    entered (re-enterable): activation checkpointing's recomputation in backward runs the
+    blocks on the same fast weights, not on the model's shards."""
 
     def __init__(self) -> None:
         self._running = _ACTIVE.get()
@@ -181,21 +225,24 @@ class Resumed:
 
     def __enter__(self) -> None:
         self._tokens.append(_ACTIVE.set(self._running))
-        if self._running is not None:  # the root unit was gathered throughout the forward
-            self._running[1].enter(self._running[1].root_unit)
+        for forward in self._running.values():  # each root unit was gathered throughout
+            forward.enter(forward.root_unit)
 
     def __exit__(self, *exc: object) -> None:
-        if self._running is not None:
-            self._running[1].leave(self._running[1].root_unit)
+        for forward in self._running.values():
+            forward.leave(forward.root_unit)
         _ACTIVE.reset(self._tokens.pop())
 
 
 @contextmanager
 def fast_forward(root: nn.Module, pieces: Mapping[FlatParam, Tensor],
-                 root_unit: Unit) -> Iterator[FastForward]:
-    """Run ``root``'s forward on fast ``pieces`` (the root unit gathered throughout)."""
-    forward = FastForward(pieces, root_unit)
-    token = _ACTIVE.set((id(root), forward))
+                 root_unit: Unit, flats: Sequence[FlatParam]) -> Iterator[FastForward]:
+    """Run ``root``'s forwards on fast ``pieces`` within (the root unit gathered
+    throughout): one ``functional_forward``, or a problem's whole computation. ``flats``:
+    every flat of the model (a read of one of its parameters outside the units' forwards
+    is served from the fast weights too)."""
+    forward = FastForward(pieces, root_unit, flats)
+    token = _ACTIVE.set(MappingProxyType({**_ACTIVE.get(), id(root): forward}))
     try:
         with saved_as_shards():
             forward.enter(forward.root_unit)
@@ -205,6 +252,18 @@ def fast_forward(root: nn.Module, pieces: Mapping[FlatParam, Tensor],
                 forward.close()
     finally:
         _ACTIVE.reset(token)
+
+
+def _resolve(source: tuple[FlatParam, int]) -> Tensor | None:
+    """A zero3 parameter read between forwards, inside a computation on fast weights."""
+    flat, index = source
+    for forward in _ACTIVE.get().values():
+        if flat in forward.flats:
+            return forward.whole(flat, index)
+    return None
+
+
+RESOLVERS.append(_resolve)
 
 
 # ----- the layout ----------------------------------------------------------------------------
@@ -225,6 +284,8 @@ class _GroupSum(torch.autograd.Function):
 
 class ShardedLayout:
     """Fast weights as one shard per trainable flat (zero3/hsdp)."""
+
+    sharded = True
 
     def __init__(self, flats: Sequence[FlatParam]) -> None:
         self.flats = [flat for flat in flats if flat.shard.requires_grad]
@@ -264,6 +325,18 @@ class ShardedLayout:
                                       allow_unused=True, materialize_grads=True)
         return tuple(out)
 
+    def recording(self) -> AbstractContextManager[Any]:
+        return saved_as_shards()
+
+    def mean_of_local(self, grads: Sequence[Tensor]) -> tuple[Tensor, ...]:
+        """What the mean over ranks of every rank's own gradient is, in pieces, given
+        gradients taken with respect to the pieces (a gather's backward has summed the
+        shard group's already): the sum across replica groups (hsdp), over the world's size.
+        The hypergradient functions' ``grad_sync`` convention (metadist.meta.hypergrad)."""
+        flat = self.flats[0]
+        size = self.group_size() * ops.group_info(flat.replicate_group)[1]
+        return tuple(_sum_replicas(g, flat) / size for g in grads)
+
     def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
         require_all(self.names, values)
         out = []
@@ -276,6 +349,6 @@ class ShardedLayout:
     def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for flat, piece in zip(self.flats, pieces, strict=True):
-            views = split_views(all_gather(piece, flat), flat)
+            views = split_views(gather(piece, flat)[0], flat)  # differentiable
             out.update((s.fqn, v) for s, v in zip(flat.slots, views, strict=True))
         return out

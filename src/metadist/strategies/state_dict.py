@@ -26,6 +26,7 @@ from torch import nn
 
 from metadist.comm import ops
 from metadist.strategies.flat import FlatParam
+from metadist.strategies.foreign_runs import resolved
 from metadist.strategies.placement import flat_part, paste
 
 FlatRef = tuple[str, FlatParam, int]  # (attribute, flat, slot index)
@@ -140,6 +141,9 @@ class ShardedStateDict:
         destination.update(moved)
 
     def _value(self, flat: FlatParam, i: int, keep_vars: bool) -> torch.Tensor:
+        bound = resolved((flat, i))  # inside a computation on fast weights: theirs
+        if bound is not None:
+            return bound if keep_vars else bound.detach().clone()
         if keep_vars:
             with torch.enable_grad():  # as a parameter: requires grad where it is trained
                 return flat.views(flat.owned())[i]

@@ -144,19 +144,12 @@ def _float64_clip(strategy: str) -> tuple[float, float]:
     return abs(got.item() - want.item()) / want.item(), got.dtype == torch.float64
 
 
-@pytest.mark.parametrize("strategy", [
-    "ddp", "zero1",
-    pytest.param("zero2", marks=pytest.mark.xfail(strict=True, reason=(
-        "clip_sharded_grads (strategies/zero.py) sums the norm in float32: float64 "
-        "gradients are clipped with a float32 norm (issue 26 sweep; a src change)"))),
-    pytest.param("zero3", marks=pytest.mark.xfail(strict=True, reason=(
-        "clip_sharded_grads (strategies/zero.py) sums the norm in float32: float64 "
-        "gradients are clipped with a float32 norm (issue 26 sweep; a src change)"))),
-])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
 def test_sharded_clipping_of_float64_gradients_is_float64(strategy: str) -> None:
     """strategy.clip_grad_norm_ computes a float64 model's norm in float64, as torch does
     (measured 1.1e-16 under ddp and zero1; 1e-13 leaves room for the order of the ranks'
-    sums). zero2 and zero3 are off by 1.2e-8 and 4.8e-8 and return a float32 norm."""
+    sums). zero2 and zero3 summed it in float32 (off by 1.2e-8 and 4.8e-8, a float32 norm)
+    until clip_sharded_grads summed in float64."""
     for norm, is_float64 in run_on_ranks(_float64_clip, 3, args=(strategy,)):
         assert norm < 1e-13 and is_float64, (norm, is_float64)
 

@@ -320,20 +320,26 @@ def clip_sharded_grads(grads_of: Sequence[torch.Tensor], max_norm: float,
     norm_type = float(norm_type)
     device = grads_of[0].grad.device if grads_of else torch.device("cpu")  # type: ignore[union-attr]
     grads = [p.grad.detach() for p in grads_of if p.grad is not None]
+    # Summed in float64 on every rank (as grad_norm's parts are): a float32 sum of a
+    # float64 model's gradients would be off in the 8th digit; returned in the parameters'
+    # dtype (float32 and below: float32, as torch's clip_grad_norm_ reports it).
+    dtype = grads_of[0].dtype if grads_of and grads_of[0].dtype == torch.float64 else \
+        torch.float32
     if norm_type == float("inf"):
-        local = max((g.abs().max() for g in grads), default=torch.zeros((), device=device))
-        total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+        local = max((g.abs().max().double() for g in grads),
+                    default=torch.zeros((), dtype=torch.float64, device=device))
+        total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
         ops.all_reduce(total, "max", group=group)
     else:
-        local = sum((g.float().norm(norm_type) ** norm_type for g in grads),
-                    torch.zeros((), device=device))
-        total = torch.as_tensor(local, dtype=torch.float32, device=device).clone()
+        local = sum((g.double().norm(norm_type) ** norm_type for g in grads),
+                    torch.zeros((), dtype=torch.float64, device=device))
+        total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
         ops.all_reduce(total, "sum", group=group)
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
-    return total
+    return total.to(dtype)
 
 
 @register("zero1", "zero")

@@ -191,3 +191,33 @@ def meta_step_peak(strategy: str, path: str, options: dict[str, Any] | None = No
     step()  # the gradients' own storage exists from here on, as in training
     opt.zero_grad(set_to_none=False)
     return peak_bytes_of(step)[1]
+
+
+# ----- the TorchOpt drop-in's functional optimisers on fast weights -----------------------------
+def torchopt_on_rank(strategy: str, options: dict[str, Any] | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """The cooperative program with TorchOpt's functional API as the inner optimiser
+    (gradient clipping by the global norm, then Adam): fast weights are a pytree."""
+    from metadist.compat import torchopt
+
+    s = metadist.strategy(strategy, **(options or {}))
+    model = net()
+    model, opt = s.setup(model, _optimizer("adam", model.parameters()))
+    # eps as in the Adam-style update above (second-order terms of 1 / (sqrt(v) + eps))
+    inner_opt = torchopt.chain(torchopt.clip.clip_grad_norm(CLIP), torchopt.adam(0.05, eps=EPS))
+    for step in range(META_STEPS):
+        opt.zero_grad()
+        start = model.fast_weights()
+        mine = _slice_tasks(tasks(step), start.group_index, start.groups)
+        total = torch.zeros(())
+        for task in mine:
+            xs, ys, xq, yq = (_slice(t, start.group_rank, start.group_size) for t in task)
+            fast, state = start, inner_opt.init(start)
+            for _ in range(INNER_STEPS):
+                grads = fast.grad(_mse(model.functional_forward(fast, xs), ys))
+                updates, state = inner_opt.update(grads, state, inplace=False)
+                fast = torchopt.apply_updates(fast, updates, inplace=False)
+            total = total + _mse(model.functional_forward(fast, xq), yq) / len(mine)
+        s.backward(total)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.full_parameters().items()}

@@ -66,6 +66,16 @@ def test_activation_checkpointing_recomputes_on_the_fast_weights(
     _check(out, want["sgd"], "zero3 checkpointed")
 
 
+def test_torchopt_functional_optimisers_on_fast_weights() -> None:
+    """TorchOpt's functional API (the drop-in) takes fast weights as a pytree: clipping by
+    the global norm (over every shard) and Adam on shards equal one process."""
+    want = run_on_ranks(fast_meta.torchopt_on_rank, 1, args=("single",))[0]
+    for strategy, n, nnodes in (("zero3", 3, 1), ("hsdp", 4, 2)):
+        out = run_on_ranks(fast_meta.torchopt_on_rank, n, nnodes=nnodes, timeout=300,
+                           args=(strategy, SHARDED))
+        _check(out, want, f"{strategy} n={n} torchopt")
+
+
 # ----- memory ----------------------------------------------------------------------------------
 def test_sharded_meta_step_memory_falls_as_one_over_n() -> None:
     """Per-rank peak of one meta-step (3 inner steps, create_graph) in bytes of live storages:

@@ -140,9 +140,16 @@ class FastWeights:
                     torch.zeros((), dtype=self.pieces[0].dtype, device=self.pieces[0].device))
         return self.layout.reduce_sum(local)
 
-    def norm(self) -> Tensor:
-        """The 2-norm over every parameter (one collective where sharded)."""
-        return self.dot(self).sqrt()
+    def norm(self, p: float = 2.0) -> Tensor:
+        """The ``p``-norm over every parameter (one collective where sharded; finite p)."""
+        if p == 2.0:
+            return self.dot(self).sqrt()
+        if not 0 < p < float("inf"):
+            raise ValueError(f"fast.norm(p={p}): a p-norm over shards adds up from the ranks' "
+                             "parts for a finite positive p; use p=2.0")
+        zero = torch.zeros((), dtype=self.pieces[0].dtype, device=self.pieces[0].device)
+        local = sum((t.abs().pow(p).sum() for t in self.pieces), zero)
+        return self.layout.reduce_sum(local).pow(1.0 / p)
 
     # ----- gradients --------------------------------------------------------------------------
     def grad(self, loss: Tensor, *, create_graph: bool = True,

@@ -9,6 +9,7 @@ import torch
 from metadist.compat.torchopt import _tree
 from metadist.compat.torchopt.base import EmptyState, GradientTransformation
 from metadist.compat.torchopt.transform.utils import put
+from metadist.strategies.fast_weights import FastWeights
 
 __all__ = ["clip_grad_norm"]
 
@@ -28,7 +29,9 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0,
             return updates, state
         device = present[0].device
         with torch.no_grad():
-            if norm_type == torch.inf:
+            if isinstance(updates, FastWeights):  # shards under zero3/hsdp: every rank's
+                total = updates.norm(float(norm_type))
+            elif norm_type == torch.inf:
                 norms = [g.abs().max().to(device) for g in present]
                 total = norms[0] if len(norms) == 1 else torch.max(torch.stack(norms))
             else:

@@ -167,6 +167,43 @@ def _per_piece_norm(strategy: str) -> str:
 @pytest.mark.parametrize(("strategy", "n"), [("single", 1), ("ddp", 2), ("zero3", 2)])
 def test_a_per_piece_reduction_raises_under_every_strategy(strategy: str, n: int) -> None:
     """A piece is a whole parameter under ddp and a flat slice of several under zero3, so a
-    per-piece norm would silently differ between them: it raises everywhere, the same."""
+    per-piece norm would silently differ between them: it raises everywhere, the same
+    (inside fast.map under every strategy; on a shard piece anywhere)."""
     for message in run_on_ranks(_per_piece_norm, n, args=(strategy,)):
-        assert "linalg_vector_norm" in message and "not element-wise" in message, message
+        assert "norm" in message and "not element-wise" in message, message
+        assert "fast.norm()" in message, message
+
+
+def _reductions_on_pieces() -> list[str]:
+    """What a library sees when it takes fast weights as a pytree: the pieces."""
+    from torch.utils._pytree import tree_flatten
+
+    s = metadist.strategy("zero3", **SHARDED)
+    model = fast_meta.net()
+    model, _ = s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fast = model.fast_weights()
+    grads = fast.grad(fast_meta._mse(model.functional_forward(fast, torch.randn(4, 3)),
+                                     torch.randn(4, 2)))
+    leaves, _ = tree_flatten(grads)
+    derived = [g * 2 + 1 for g in leaves]  # element-wise: still pieces
+    out = []
+    for attempt in (lambda: torch.stack([g.norm() for g in leaves]),
+                    derived[0].sum, lambda: leaves[0][:3],
+                    lambda: torch.cat(leaves), lambda: leaves[0].reshape(-1, 1)):
+        try:
+            attempt()
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    out.append(repr(float(grads.norm())))  # what to write instead works
+    return out
+
+
+def test_a_reduction_on_shard_pieces_taken_as_a_pytree_raises() -> None:
+    """An optimiser's transformation clipping by the norm of its leaves, a sum, an index or
+    a concatenation of pieces would compute something else under zero3 than under ddp: on
+    shard pieces, and on what is computed from them element-wise, they raise."""
+    for out in run_on_ranks(_reductions_on_pieces, 2):
+        for message in out[:5]:
+            assert "not element-wise" in message and "fast.norm()" in message, out
+        assert float(out[5]) > 0

@@ -101,10 +101,11 @@ def _grad(out: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
 
 def _norm(v: Sequence[Tensor]) -> float:
     """|v| over every inner parameter (over every shard, inside ``fast_space.over``)."""
-    flat = torch.cat([x.reshape(-1) for x in v])
-    if not fast_space.sharded_now():
-        return float(flat.norm())
-    return float(fast_space.over_theta((flat * flat).sum()).sqrt())
+    with fast_space.shard_internals():  # made the sum over every shard below
+        flat = torch.cat([x.reshape(-1) for x in v])
+        if not fast_space.sharded_now():
+            return float(flat.norm())
+        return float(fast_space.over_theta((flat * flat).sum()).sqrt())
 
 
 def scaled(v: list[Tensor], scale: Any) -> list[Tensor]:

@@ -23,6 +23,10 @@ from torch.utils._pytree import TreeSpec
 
 from metadist.meta.optim import GradSync
 from metadist.strategies.fast_weights import layout_of
+from metadist.strategies.shard_piece import shard_internals
+
+__all__ = ["laid_out", "over", "over_theta", "shard_internals", "sharded_now", "sync",
+           "sync_split", "sync_theta"]
 
 _DOT: ContextVar[Any] = ContextVar("metadist_fast_dot", default=None)
 

@@ -155,8 +155,9 @@ def _scalar(value: Tensor, what: str) -> Tensor:
 
 
 def _dot(a: Vec, b: Vec) -> Tensor:
-    local = sum(((x * y).sum() for x, y in zip(a, b, strict=True)),
-                torch.zeros((), dtype=a[0].dtype, device=a[0].device))
+    with fast_space.shard_internals():  # made the sum over every shard below
+        local = sum(((x * y).sum() for x, y in zip(a, b, strict=True)),
+                    torch.zeros((), dtype=a[0].dtype, device=a[0].device))
     return fast_space.over_theta(local)  # over every shard where theta is shard pieces
 
 

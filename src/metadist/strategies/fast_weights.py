@@ -40,6 +40,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves
 
+from metadist.strategies.shard_piece import as_piece, plain, shard_internals
+
 
 class FastLayout(Protocol):
     """How a strategy holds fast weights: its pieces, the group that shares them, and how
@@ -84,6 +86,10 @@ class FastWeights:
 
     layout: FastLayout
     pieces: tuple[Tensor, ...]
+
+    def __post_init__(self) -> None:
+        if self.layout.sharded:  # slices of shards: only element-wise (shard_piece.py)
+            object.__setattr__(self, "pieces", tuple(as_piece(t) for t in self.pieces))
 
     # ----- arithmetic: element-wise on the pieces --------------------------------------------
     def map(self, fn: Callable[..., Tensor], *others: FastWeights | Tensor | float
@@ -135,10 +141,12 @@ class FastWeights:
     # ----- reductions over the group --------------------------------------------------------
     def dot(self, other: FastWeights) -> Tensor:
         """The inner product over every parameter (one collective where sharded)."""
-        local = sum(((a * b).sum() for a, b in zip(self.pieces, self._pieces_of(other),
-                                                   strict=True)),
-                    torch.zeros((), dtype=self.pieces[0].dtype, device=self.pieces[0].device))
-        return self.layout.reduce_sum(local)
+        with shard_internals():
+            local = sum(((a * b).sum() for a, b in zip(self.pieces, self._pieces_of(other),
+                                                       strict=True)),
+                        torch.zeros((), dtype=self.pieces[0].dtype,
+                                    device=self.pieces[0].device))
+            return plain(self.layout.reduce_sum(local))
 
     def norm(self, p: float = 2.0) -> Tensor:
         """The ``p``-norm over every parameter (one collective where sharded; finite p)."""
@@ -148,8 +156,9 @@ class FastWeights:
             raise ValueError(f"fast.norm(p={p}): a p-norm over shards adds up from the ranks' "
                              "parts for a finite positive p; use p=2.0")
         zero = torch.zeros((), dtype=self.pieces[0].dtype, device=self.pieces[0].device)
-        local = sum((t.abs().pow(p).sum() for t in self.pieces), zero)
-        return self.layout.reduce_sum(local).pow(1.0 / p)
+        with shard_internals():
+            local = sum((t.abs().pow(p).sum() for t in self.pieces), zero)
+            return plain(self.layout.reduce_sum(local).pow(1.0 / p))
 
     # ----- gradients --------------------------------------------------------------------------
     def grad(self, loss: Tensor, *, create_graph: bool = True,

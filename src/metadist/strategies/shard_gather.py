@@ -33,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from metadist.comm import functional, ops
 from metadist.strategies.flat import FlatParam
+from metadist.strategies.shard_piece import plain
 
 #: inside ``fast.grad``: the cooperative group's weight of this rank's inner loss (the
 #: gathers' and group sums' backward scale by it); None outside, where they are plain sums
@@ -85,7 +86,7 @@ def real_size(flat: FlatParam) -> int:
 def all_gather(piece: Tensor, flat: FlatParam) -> Tensor:
     """``piece`` (this rank's slice of ``flat``, padding or not) gathered whole, outside
     autograd."""
-    src = piece.detach().to(flat.device, flat.compute_dtype)
+    src = plain(piece.detach()).to(flat.device, flat.compute_dtype)
     if src.numel() < flat.shard_size:
         src = torch.cat([src, src.new_zeros(flat.shard_size - src.numel())])
     out = torch.empty(flat.padded, dtype=flat.compute_dtype, device=flat.device)

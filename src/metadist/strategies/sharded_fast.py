@@ -51,6 +51,7 @@ from metadist.strategies.shard_gather import (
     sum_over,
     weighted,
 )
+from metadist.strategies.shard_piece import plain
 
 if TYPE_CHECKING:
     from metadist.strategies.units import Unit
@@ -71,7 +72,11 @@ class _FastGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         flat: FlatParam = ctx.flat
-        out = sum_over(weighted(grad, flat), flat, scatter=True)
+        g = weighted(grad, flat)
+        # a fresh buffer (the weighted copy, or the split's concatenated gradient autograd
+        # hands over) may be overwritten by the reduction; a view or an expanded zero not
+        scratch = g is not grad or (g.is_contiguous() and not g._is_view())
+        out = sum_over(g, flat, scatter=True, scratch=scratch)
         aside = ctx.gathered[0].take_aside()
         if aside is not None:
             out = out + aside
@@ -136,7 +141,7 @@ def gather(piece: Tensor, flat: FlatParam) -> tuple[Tensor, Gathered]:
     views are kept as shards when autograd saves them."""
     if torch.is_grad_enabled() and piece.requires_grad:
         holder: list[Gathered] = []
-        out: Tensor = _FastGather.apply(piece, flat, holder)
+        out: Tensor = _FastGather.apply(plain(piece), flat, holder)
         holder.append(Gathered(piece, flat, out))
     else:
         out = all_gather(piece, flat)
@@ -313,7 +318,7 @@ class ShardedLayout:
         return dict(zip(self.flats, pieces, strict=True))
 
     def reduce_sum(self, value: Tensor) -> Tensor:
-        out: Tensor = _GroupSum.apply(value, self.flats[0])
+        out: Tensor = _GroupSum.apply(plain(value), self.flats[0])
         return out
 
     def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
@@ -335,7 +340,7 @@ class ShardedLayout:
         The hypergradient functions' ``grad_sync`` convention (metadist.meta.hypergrad)."""
         flat = self.flats[0]
         size = self.group_size() * ops.group_info(flat.replicate_group)[1]
-        return tuple(_sum_replicas(g, flat) / size for g in grads)
+        return tuple(_sum_replicas(plain(g), flat) / size for g in grads)
 
     def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
         require_all(self.names, values)

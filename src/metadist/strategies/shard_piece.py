@@ -1,0 +1,89 @@
+"""A piece of fast weights that is a shard: operations across its elements stop.
+
+Under zero3/hsdp a piece of ``model.fast_weights()`` is this rank's flat slice of several
+parameters, under ddp a whole parameter. Element-wise arithmetic means the same on both;
+anything that combines elements (a sum, a norm, a max, indexing, a reshape, concatenating
+pieces) computes one thing under ddp and another under zero3, silently. A library that takes
+fast weights as a pytree (an optimiser's transformation clipping by the norm of its leaves)
+would do exactly that. So every sharded piece, and every tensor computed from one, is a
+:class:`ShardPiece`, whose operators of that kind raise; metadist's own code that combines
+pieces correctly (over every shard: ``fast.dot``, ``fast.norm``) runs inside
+:func:`shard_internals`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_INTERNAL: ContextVar[bool] = ContextVar("metadist_shard_internals", default=False)
+
+# Operators that combine elements of a piece, or pieces, by name.
+_ACROSS = frozenset({
+    "sum", "nansum", "mean", "nanmean", "norm", "vector_norm", "matrix_norm", "dist", "max",
+    "min", "amax", "amin", "aminmax", "argmax", "argmin", "prod", "std", "var", "std_mean",
+    "var_mean", "median", "nanmedian", "mode", "logsumexp", "cumsum", "cumprod", "cummax",
+    "cummin", "logcumsumexp", "sort", "argsort", "msort", "topk", "kthvalue", "flip", "fliplr",
+    "flipud", "roll", "rot90", "dot", "vdot", "inner", "outer", "matmul", "mm", "mv", "bmm",
+    "einsum", "tensordot", "cat", "concat", "concatenate", "stack", "hstack", "vstack",
+    "dstack", "view", "reshape", "view_as", "reshape_as", "flatten", "unflatten",
+    "__getitem__", "__setitem__", "split", "chunk", "unbind", "narrow", "select",
+    "index_select", "gather", "scatter", "scatter_add", "take", "take_along_dim",
+    "masked_select", "nonzero", "unique", "unique_consecutive", "count_nonzero", "all", "any",
+    "softmax", "log_softmax", "tolist", "numpy", "item", "histc", "bincount", "diff", "trace",
+    "diag", "t", "transpose", "permute", "expand", "repeat", "tile", "clip_grad_norm_",
+    "_foreach_norm", "allclose", "equal"})
+# Run as on plain tensors: printing a piece, and autograd's entry points (the gradients it
+# returns are of whatever a piece went into, not pieces).
+_PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "backward"})
+
+
+@contextmanager
+def shard_internals() -> Iterator[None]:
+    """Inside: metadist's own operations across pieces (which it makes global)."""
+    token = _INTERNAL.set(True)
+    try:
+        yield
+    finally:
+        _INTERNAL.reset(token)
+
+
+class ShardPiece(Tensor):
+    """A piece of shard fast weights, or a tensor computed from one (see the module
+    notes): element-wise operators only."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a property, by its own name
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name in _PLAIN:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if name in _ACROSS and not _INTERNAL.get():
+            raise ValueError(
+                f"fast-weight arithmetic ran {name}, which is not element-wise, on a piece "
+                "of fast weights that are shards: under zero3/hsdp a piece is this rank's "
+                "flat slice of several parameters (under ddp a whole parameter), so it would "
+                "compute something else than one process. Use fast.dot(other) or "
+                "fast.norm() for a sum over every parameter (one collective), "
+                "fast.like({name: tensor}) for per-parameter values, or "
+                "model.functional_forward(fast, ...) for anything that needs whole "
+                "parameters")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def as_piece(t: Tensor) -> Tensor:
+    """``t`` as a :class:`ShardPiece` (the same data, still in its autograd graph)."""
+    return t if isinstance(t, ShardPiece) else t.as_subclass(ShardPiece)
+
+
+def plain(t: Tensor) -> Tensor:
+    """``t`` as a plain tensor (the same data, still in its autograd graph)."""
+    return t.as_subclass(Tensor) if isinstance(t, ShardPiece) else t

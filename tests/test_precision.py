@@ -113,19 +113,16 @@ def _local_inf_flag(enabled: bool) -> Iterator[None]:
     overflow tests must catch; restored on exit (the ranks are pooled)."""
     from metadist.precision import LossScaler
 
-    @torch.no_grad()
-    def found_inf(self: LossScaler, optimizer: torch.optim.Optimizer) -> bool:
-        grads = self._grads(optimizer)
-        norms = torch._foreach_norm(grads, float("inf")) if grads else []
-        return not all(torch.isfinite(n).item() for n in norms)
+    def local_only(flag: torch.Tensor) -> bool:
+        return bool(flag.item() > 0)
 
-    all_reduced = LossScaler._found_inf
+    all_reduced = LossScaler.__dict__["_any_rank"]  # the staticmethod itself
     if enabled:
-        LossScaler._found_inf = found_inf  # type: ignore[method-assign]
+        LossScaler._any_rank = staticmethod(local_only)  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        LossScaler._found_inf = all_reduced  # type: ignore[method-assign]
+        LossScaler._any_rank = all_reduced
 
 
 def _scaled_training_with_overflow(strategy: str, where: str = "backward",

@@ -1,12 +1,13 @@
 """metadist ddp vs torch DistributedDataParallel vs the no-communication bound.
 
     python -m benchmarks.ddp [--world 2] [--steps 12] [--workloads mlp,transformer]
-                             [--json PATH] [--quick]
+                             [--device auto|cpu|cuda] [--json PATH] [--quick]
 
 All three train identical copies of the model in the same processes, taking turns step by
 step (warm-up discarded, medians). The bound is the same processes stepping locally with no
 collective. Also reports collectives and bytes per step of metadist ddp against the ring
-limit 2 P (N-1)/N, and writes a PNG of the step times.
+limit 2 P (N-1)/N, and writes a PNG of the step times. On cuda (NCCL, one GPU per rank) the
+phases are timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -22,11 +23,30 @@ import torch
 from torch import nn
 
 import metadist
+from benchmarks import device
 from benchmarks.common import Results, output_args, parse, rotation, run_jobs, timed
 from benchmarks.models import param_count, workload
 from metadist.comm import stats
 
-Phases = dict[str, list[float]]
+Phases = dict[str, list[Any]]  # seconds, or on cuda (start, end) events read after the run
+
+
+def _clock(cuda: bool) -> Any:
+    """A point in time: perf_counter on the CPU; on cuda an event recorded on the stream
+    (the host returns before the GPU ran the phase; reading events waits for nothing)."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _seconds(value: Any) -> float:
+    """A phase's duration: as measured on the CPU, from its two events on cuda."""
+    if isinstance(value, tuple):
+        start, end = value
+        return float(start.elapsed_time(end)) / 1e3
+    return float(value)
 
 
 def _stepper(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss_fn: Callable,
@@ -34,39 +54,38 @@ def _stepper(model: nn.Module, opt: torch.optim.Optimizer, batches: list, loss_f
              phases: Phases) -> Callable[[], None]:
     """One training step; also records this rank's forward / backward / step durations."""
     state = {"i": 0}
+    cuda = device.on_cuda()
 
     def step() -> None:
         x, y = batches[state["i"] % len(batches)]
         state["i"] += 1
-        t0 = time.perf_counter()
+        t0 = _clock(cuda)
         loss = loss_fn(model(x), y)
-        t1 = time.perf_counter()
+        t1 = _clock(cuda)
         backward(loss)
-        t2 = time.perf_counter()
+        t2 = _clock(cuda)
         opt.step()
         opt.zero_grad(set_to_none=False)
-        t3 = time.perf_counter()
-        for key, value in (("forward", t1 - t0), ("backward", t2 - t1), ("step", t3 - t2)):
-            phases.setdefault(key, []).append(value)
+        t3 = _clock(cuda)
+        for key, a, b in (("forward", t0, t1), ("backward", t1, t2), ("step", t2, t3)):
+            phases.setdefault(key, []).append((a, b) if cuda else b - a)
 
     return step
 
 
 def _body(name: str, steps: int, warmup: int, options: dict[str, float],
           quick: bool = False) -> dict[str, object]:
-    from torch.nn.parallel import DistributedDataParallel
-
     factory, data, loss_fn = workload(name, quick)
-    batches = data(metadist.world().rank)
+    dev = device.here()
+    batches = [(x.to(dev), y.to(dev)) for x, y in data(metadist.world().rank)]
     configs: dict[str, Callable[[], None]] = {}
     phases: dict[str, Phases] = {k: {} for k in ("no-comm bound", "torch DDP", "metadist ddp")}
 
-    local = factory()
+    local = factory().to(dev)
     configs["no-comm bound"] = _stepper(local, torch.optim.Adam(local.parameters(), lr=1e-4),
                                         batches, loss_fn, lambda t: t.backward(),
                                         phases["no-comm bound"])
-    torch_model = factory()
-    ddp = DistributedDataParallel(torch_model)
+    ddp = device.ddp(factory())
     configs["torch DDP"] = _stepper(ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4), batches,
                                     loss_fn, lambda t: t.backward(), phases["torch DDP"])
     ours = factory()
@@ -90,7 +109,8 @@ def _body(name: str, steps: int, warmup: int, options: dict[str, float],
                 samples[key].append(t)
     assert traffic is not None
     return {"median": {k: statistics.median(v) for k, v in samples.items()},
-            "phases": {k: {ph: statistics.median(v[warmup:]) for ph, v in p.items()}
+            "phases": {k: {ph: statistics.median(_seconds(t) for t in v[warmup:])
+                           for ph, v in p.items()}
                        for k, p in phases.items()},
             # The two barriers that bracket a timed step are the harness's, not the strategy's.
             "params": param_count(local),
@@ -144,7 +164,7 @@ def _data(results: dict[str, dict[str, Any]], n: int) -> dict[str, Any]:
 
 def _report(out: Results, results: dict[str, dict[str, Any]], n: int, steps: int,
             warmup: int) -> None:
-    out.heading(f"ddp step time, world size {n}, gloo, 1 thread per rank, Adam "
+    out.heading(f"ddp step time, world size {n}, {device.where(n)}, Adam "
                 f"(medians of {steps}, alternating, {warmup} warm-up steps discarded)")
     rows = []
     for name, res in results.items():
@@ -173,7 +193,6 @@ def _report(out: Results, results: dict[str, dict[str, Any]], n: int, steps: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     ap.add_argument("--workloads", default="mlp,transformer", help="comma-separated")
@@ -181,8 +200,10 @@ def main() -> None:
                     help="PNG of the step times (default docs/figures/ddp_step_time.png, none "
                          "under --quick; '' for none)")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    device.add_args(ap)
     output_args(ap)
     args = parse(ap, steps=2, warmup=1, plot="")
+    device.resolve(args)
     if args.plot is None:
         args.plot = "docs/figures/ddp_step_time.png"
     with Results("ddp", args) as out:  # JSON also of what ran before a failure

@@ -1,12 +1,13 @@
 """Meta-learning throughput: MAML weak scaling, and a bilevel step against Betty 0.2.1.
 
-    python -m benchmarks.meta [--steps 20] [--warmup 3] [--parts maml,betty] [--json PATH]
-                              [--quick]
+    python -m benchmarks.meta [--steps 20] [--warmup 3] [--parts maml,betty]
+                              [--device auto|cpu|cuda] [--json PATH] [--quick]
 
 MAML: second-order MAML (5 inner steps, 4 tasks per rank, 40-40 tanh MLP) at world sizes 1
 and 2 with the same tasks per rank (weak scaling), three ways taking turns in the same
 processes: through the Engine, as a hand-written loop on the strategy API, and the
-no-communication bound (plain torch, nothing synchronised).
+no-communication bound (plain torch, nothing synchronised). On cuda: world sizes 1 and the
+number of GPUs (NCCL, one GPU per rank).
 
 Betty: a Meta-Weight-Net style bilevel problem (a 64-128-10 classifier on noisy labels, a
 1-32-1 loss-to-weight net trained on a meta set), one lower step + one hypergradient step
@@ -26,7 +27,8 @@ Betty is installed beside the package, never into it:
     .venv/bin/python -m pip install -q --target .bench --no-deps --ignore-requires-python \\
         betty-ml==0.2.1
 Its distributed mode assumes CUDA and owns the process group; the harness's shims (CPU
-device, adopt metadist's gloo group, no destroy at the end) live in :func:`_betty_engine`.
+device, adopt metadist's gloo group, no destroy at the end) live in :func:`_betty_engine`;
+so this part runs on the CPU whatever ``--device`` says.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import metadist
+from benchmarks import device
 from benchmarks.common import Results, alternate, output_args, parse, use_peers
 from metadist.comm import stats
 from metadist.meta import CGConfig, Engine, EngineConfig, NeumannConfig, Problem, ProblemConfig
@@ -70,7 +73,7 @@ def _sine_net() -> nn.Module:
 
 def _maml_loss(forward: Callable[[dict[str, Tensor], Tensor], Tensor],
                params: dict[str, Tensor], tasks: list[tuple[Tensor, ...]]) -> Tensor:
-    total = torch.zeros(())
+    total = torch.zeros((), device=tasks[0][0].device)
     for xs, ys, xq, yq in tasks:
         fast = params
         for _ in range(INNER_STEPS):
@@ -94,16 +97,18 @@ class _TaskList(torch.utils.data.Dataset[tuple[Tensor, ...]]):
 
 class _MAML(Problem):
     def training_step(self, batch: Any) -> Tensor:
-        tasks = list(zip(*batch, strict=True))
+        dev = device.here()
+        tasks = [tuple(t.to(dev) for t in task) for task in zip(*batch, strict=True)]
         return _maml_loss(self.functional_forward, self.parameters_dict(), tasks)
 
 
 def _maml_body(steps: int, warmup: int) -> dict[str, float]:
     w = metadist.world()
     name = "single" if w.world_size == 1 else "ddp"
-    mine = _tasks(w.rank)  # the same number of tasks per rank at every world size
+    # the same number of tasks per rank at every world size
+    mine = [tuple(t.to(w.device) for t in task) for task in _tasks(w.rank)]
 
-    plain = _sine_net()
+    plain = _sine_net().to(w.device)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-3)
 
     def bound() -> None:
@@ -304,13 +309,13 @@ def _max_diff(a: dict[str, Tensor], b: dict[str, Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def _maml(out: Results, steps: int, warmup: int) -> None:
+def _maml(out: Results, steps: int, warmup: int, worlds: tuple[int, ...]) -> None:
     res = {n: metadist.launch(_maml_body, n, args=(steps, warmup), threads=1,
-                              timeout=3000)[0] for n in (1, 2)}
+                              timeout=3000)[0] for n in worlds}
     out.heading(f"second-order MAML, {TASKS} tasks per rank x {INNER_STEPS} inner steps, "
-                f"gloo, 1 thread per rank (medians of {steps}, alternating)")
+                f"{device.where(worlds[-1])} (medians of {steps}, alternating)")
     rows, records = [], []
-    for n in (1, 2):
+    for n in worlds:
         for kind, seconds in res[n].items():
             rows.append((n, kind, seconds * 1e3, 1 / seconds, n * TASKS / seconds,
                          f"{res[1][kind] / seconds:.2f}"))
@@ -360,12 +365,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     ap.add_argument("--parts", default="maml,betty", help="comma-separated: maml, betty")
+    device.add_args(ap, world=False)
     output_args(ap)
     args = parse(ap, steps=2, warmup=1)
+    gpus = torch.cuda.device_count() if device.resolve(args) == "cuda" else 2
     with Results("meta", args) as out:  # JSON also of what ran before a failure
         parts = args.parts.split(",")
         if "maml" in parts:
-            _maml(out, args.steps, args.warmup)
+            _maml(out, args.steps, args.warmup, tuple(dict.fromkeys((1, gpus))))
         if "betty" in parts:
             try:
                 import betty  # noqa: F401
@@ -374,7 +381,8 @@ def main() -> None:
                 out.skip("bilevel step vs Betty 0.2.1", f"Betty is not importable ({err}; {where}; "
                          "`make bench` installs it there, see the docstring)")
             else:
-                _betty(out, args.steps, args.warmup)
+                with device.cpu_ranks():
+                    _betty(out, args.steps, args.warmup)
 
 
 if __name__ == "__main__":

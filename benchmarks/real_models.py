@@ -3,7 +3,7 @@
 
     python -m benchmarks.real_models [--world 2] [--steps 12] [--warmup 3] [--layers 4]
                                      [--width 256] [--seq 128] [--batch 8] [--vocab 8192]
-                                     [--json PATH] [--quick]
+                                     [--device auto|cpu|cuda] [--json PATH] [--quick]
 
 GPT2LMHeadModel built from a config (random init, tied input and output embeddings, dropout
 off, no key-value cache as for training; no download, no tokenizer), token ids from a seeded
@@ -12,7 +12,9 @@ processes, taking turns step by step (warm-up discarded, medians), ``--batch`` s
 rank. Per-rank memory is the bytes of the unique storages behind parameters, gradients and
 optimizer state after a step, next to the ZeRO formulas; then the loss every configuration
 reaches (the distributed ones train identical copies on identical global batches, so they must
-agree), and the collectives of one more step of ours.
+agree), and the collectives of one more step of ours. On cuda (NCCL, one GPU per rank) also
+each configuration's peak during one step above what it held before
+(``torch.cuda.max_memory_allocated``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 import metadist
+from benchmarks import device
 from benchmarks.common import Results, alternate, output_args, parse, run_jobs
 from benchmarks.zero import Config, against_ring_limit, ring_limit, step_traffic, zero_formulas
 
@@ -62,8 +65,8 @@ def gpt2(shape: dict[str, int]) -> nn.Module:
 
 def _batches(shape: dict[str, int], rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
-    ids = [torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
-           for _ in range(4)]
+    ids = [torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]),
+                         generator=g).to(device.here()) for _ in range(4)]
     return [(t, t) for t in ids]
 
 
@@ -80,19 +83,18 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
 
 def _configs(shape: dict[str, int]) -> dict[str, Config]:
     from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
 
     block = _transformers().models.gpt2.modeling_gpt2.GPT2Block
     batches = _batches(shape, metadist.world().rank)
     out: dict[str, Config] = {}
     for kind in KINDS:
-        model = gpt2(shape)
+        model = gpt2(shape).to(device.here())  # metadist's strategies would move it
         match kind:
             case "no-comm bound":
                 out[kind] = Config(model, _adamw(model.parameters()), batches, _lm_loss,
                                    lambda t: t.backward(), model.parameters)
             case "torch DDP":
-                ddp = DistributedDataParallel(model)
+                ddp = device.ddp(model)
                 out[kind] = Config(ddp, _adamw(ddp.parameters()), batches, _lm_loss,
                                    lambda t: t.backward(), ddp.parameters)
             case "torch FSDP2 fully_shard":
@@ -127,7 +129,9 @@ def _body(shape: dict[str, int], steps: int, warmup: int) -> dict[str, Any]:
             "memory": {k: c.memory() for k, c in configs.items()},
             "loss": losses,
             "traffic": {k: step_traffic(c) for k, c in configs.items() if k.startswith("metadist")},
-            "params": sum(p.numel() for p in gpt2(shape).parameters())}
+            "params": sum(p.numel() for p in gpt2(shape).parameters()),
+            **({"cuda_peak": {k: device.step_peak(c.step) for k, c in configs.items()}}
+               if device.on_cuda() else {})}
 
 
 def _formula(kind: str, params: int, n: int) -> float | None:
@@ -155,6 +159,8 @@ def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
             entry["total_over_formula"] = (p + g + o) / formula
         if kind in res["traffic"]:
             entry["traffic"] = against_ring_limit(res, kind, n)
+        if "cuda_peak" in res:
+            entry["cuda_step_peak_bytes"] = res["cuda_peak"][kind]
         configs[kind] = entry
     ratios = [{"config": ours, "reference": ref, "ratio": med[ours] / med[ref]}
               for ours, theirs in PAIRS for ref in (theirs, "no-comm bound")]
@@ -166,7 +172,7 @@ def _report(out: Results, res: dict[str, Any], shape: dict[str, int], n: int,
     med = res["median"]
     out.heading(f"GPT-2 ({res['params'] / 1e6:.1f}M params: {shape['layers']} layers, width "
                 f"{shape['width']}, vocab {shape['vocab']}), {shape['batch']} x {shape['seq']} "
-                f"tokens per rank, world size {n}, gloo, 1 thread per rank, AdamW (medians of "
+                f"tokens per rank, world size {n}, {device.where(n)}, AdamW (medians of "
                 f"{steps}, alternating, {warmup} warm-up steps discarded)")
     # Ratios to 3 decimals: next to the target, 1.002 must not print as "1".
     rows = [(ours, theirs, med[ours] * 1e3, med[theirs] * 1e3,
@@ -185,6 +191,9 @@ def _report(out: Results, res: dict[str, Any], shape: dict[str, int], n: int,
     out.table(["configuration", "ms / step", "params MiB", "grads MiB", "optim MiB",
                "total MiB", "total / formula (ddp 16P bytes, zero3 16P/N)",
                "loss after training"], rows, key="gpt2 memory and loss")
+    if "cuda_peak" in res:
+        out.table(["configuration", "CUDA step peak above resident MiB"],
+                  [(k, res["cuda_peak"][k] / 2**20) for k in KINDS], key="gpt2 cuda peak")
     losses = [v for k, v in res["loss"].items() if k != "no-comm bound"]
     spread = max(losses) - min(losses)
     out.note(f"The distributed configurations trained identical copies on identical global "
@@ -203,7 +212,6 @@ def _report(out: Results, res: dict[str, Any], shape: dict[str, int], n: int,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     ap.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
@@ -211,8 +219,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per rank (default 8)")
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
+    device.add_args(ap)
     output_args(ap)
     args = parse(ap, steps=2, warmup=1, layers=1, width=64, seq=16, batch=2, vocab=256)
+    device.resolve(args)
     shape = {k: getattr(args, k) for k in ("layers", "width", "seq", "batch", "vocab")}
     _transformers()  # a missing dependency said here, not from inside a rank
     with Results("real_models", args) as out:  # JSON also of what ran before a failure

@@ -221,13 +221,18 @@ def _header(results: dict[str, Any]) -> list[str]:
     device = m.get("device") or "unknown (no benchmark finished)"
     if m.get("backend"):
         device += f" ({m['backend']})"
-    if m.get("cuda_available"):
+    gpu = _on_gpu(results)
+    if m.get("device") == "cuda":
+        device += (f": {m.get('gpus')} x {m.get('cuda_device')}, CUDA {m.get('cuda')}, one GPU "
+                   f"per rank, for {', '.join(gpu)}; the other benchmarks on the CPU (gloo)")
+    elif m.get("cuda_available"):
         device += f"; CUDA visible: {m.get('cuda_device')} (unused: the benchmarks run on CPU)"
+    world = s["world"] or (f"one rank per GPU for {', '.join(gpu)}, else 2" if gpu else 2)
     rows = [("command", f"`{results['command']}`"), ("date", m["date"]),
             ("mode", "quick (tiny models, 2 steps: checks the pipeline, the figures mean "
                      "nothing)" if s["quick"] else "full (the settings of the README's tables; "
                                                    "each command is below)"),
-            ("world size", f"{s['world'] or 2} (meta and betty_compat: 1 and 2, mapreduce: 2, "
+            ("world size", f"{world} (meta and betty_compat: 1 and 2, mapreduce: 2, "
                            "torchopt_compat: 2 and 4, always)"),
             ("torch", m["torch"]), ("metadist", m["metadist"]), ("python", m["python"]),
             ("platform", m["platform"]), ("CPU", m["cpu"]), ("CPU count", m["cpu_count"]),
@@ -251,12 +256,20 @@ def _peers_note(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _on_gpu(results: dict[str, Any]) -> list[str]:
+    """The benchmarks whose ranks computed on a GPU."""
+    return [name for name, e in results["benchmarks"].items()
+            if e.get("result", {}).get("environment", {}).get("device") == "cuda"]
+
+
 def _summary(results: dict[str, Any]) -> list[str]:
+    gpu = _on_gpu(results)
     rows = []
     for name, e in results["benchmarks"].items():
-        rows.append((name, e["status"], f"{e['seconds']:.0f}", f"`{e['command']}`"))
-    return ["## Benchmarks run", "", table(["benchmark", "status", "wall s", "command"], rows),
-            ""]
+        where = [("cuda" if name in gpu else "cpu")] if gpu else []  # a column once mixed
+        rows.append((name, e["status"], *where, f"{e['seconds']:.0f}", f"`{e['command']}`"))
+    heads = ["benchmark", "status", *(["device"] if gpu else []), "wall s", "command"]
+    return ["## Benchmarks run", "", table(heads, rows), ""]
 
 
 def _headline(results: dict[str, Any], figures: list[tuple[str, str]]) -> list[str]:

@@ -1,6 +1,7 @@
 """Run the benchmarks, each in its own process, and write a report with plots.
 
     python -m benchmarks.suite [--out out/bench] [--only comm,ddp,...] [--quick] [--world N]
+                               [--device auto|cpu|cuda]
 
 (``metadist bench`` runs this from the source checkout.) Every benchmark runs as
 ``python -m benchmarks.NAME --json OUT/raw/NAME.json`` in its own process group, so one that
@@ -51,6 +52,10 @@ class Spec:
     peers: tuple[str, ...] = ()  # anchor libraries it takes from .bench/
 
 
+#: The benchmarks that take --device: on a GPU under auto/cuda (the rest stay on the CPU).
+ON_DEVICE = ("ddp", "zero", "precision", "meta", "real_models")
+
+
 def spec(name: str) -> Spec:
     """The benchmark called ``name``."""
     module = f"benchmarks.{name}"
@@ -80,6 +85,19 @@ def select(only: str | None) -> list[Spec]:
     """The benchmarks named in a comma-separated list (all of them for none), in order."""
     names = [n.strip() for n in (only or "").split(",") if n.strip()] or list(BENCHMARKS)
     return [spec(name) for name in dict.fromkeys(names)]
+
+
+def check_device(device: str | None) -> None:
+    """Refuse ``--device cuda`` without a GPU before anything runs (torch is imported only
+    here, and only then: the suite itself stays light)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SuiteError(f"--device cuda: no CUDA GPU is visible to torch {torch.__version__} "
+                         f"(CUDA build: {torch.version.cuda or 'none'}); run with --device cpu "
+                         "or auto, or on a machine with a GPU")
 
 
 def machine() -> dict[str, Any]:
@@ -195,7 +213,7 @@ def _tail(log: Path, lines: int = 25) -> str:
 
 
 def run_one(s: Spec, out: Path, quick: bool, world: int | None, timeout: float,
-            echo: TextIO | None) -> dict[str, Any]:
+            echo: TextIO | None, device: str | None = None) -> dict[str, Any]:
     """Run one benchmark; its entry in results.json whether it worked or not."""
     raw, log = out / "raw" / f"{s.name}.json", out / "logs" / f"{s.name}.log"
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +224,8 @@ def run_one(s: Spec, out: Path, quick: bool, world: int | None, timeout: float,
     cmd += ["--quick"] if quick else list(s.full)
     if world is not None and s.world:
         cmd += ["--world", str(world)]
+    if device is not None and s.name in ON_DEVICE:
+        cmd += ["--device", device]
     if echo is not None:
         echo.write(f"\n=== {s.name}: {shlex.join(cmd)}\n")
         echo.flush()
@@ -230,7 +250,7 @@ def run_one(s: Spec, out: Path, quick: bool, world: int | None, timeout: float,
 
 def run_suite(specs: list[Spec], out: Path, *, quick: bool = False, world: int | None = None,
               timeout: float | None = None, command: str = "",
-              echo: TextIO | None = sys.stdout) -> dict[str, Any]:
+              echo: TextIO | None = sys.stdout, device: str | None = None) -> dict[str, Any]:
     """Run ``specs`` one after another (never side by side: they would time each other),
     then write results.json and the report; the results."""
     out.mkdir(parents=True, exist_ok=True)
@@ -240,17 +260,18 @@ def run_suite(specs: list[Spec], out: Path, *, quick: bool = False, world: int |
         "command": command or shlex.join(["python", "-m", "benchmarks.suite", *sys.argv[1:]]),
         "machine": machine(), "peers": peers(),
         "settings": {"quick": quick, "world": world, "only": [s.name for s in specs],
-                     "timeout_s": limit},
+                     "timeout_s": limit, **({"device": device} if device else {})},
         "benchmarks": {}}
     for s in specs:
-        results["benchmarks"][s.name] = run_one(s, out, quick, world, limit, echo)
+        results["benchmarks"][s.name] = run_one(s, out, quick, world, limit, echo, device)
     results["seconds"] = round(time.monotonic() - start, 1)
-    for entry in results["benchmarks"].values():  # the device the benchmarks ran on
-        if entry["status"] == "ok":
-            env = entry["result"].get("environment", {})
-            results["machine"].update({k: env.get(k) for k in (
-                "device", "backend", "cuda_available", "cuda_device")})
-            break
+    ran = [e["result"].get("environment", {}) for e in results["benchmarks"].values()
+           if e["status"] == "ok"]
+    for env in sorted(ran, key=lambda e: e.get("device") != "cuda")[:1]:  # a GPU's first
+        results["machine"].update({k: env.get(k) for k in (
+            "device", "backend", "cuda_available", "cuda_device")})
+        if env.get("device") == "cuda":
+            results["machine"].update(gpus=env.get("gpus"), cuda=env.get("cuda"))
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     from benchmarks.report import write_report
 
@@ -272,7 +293,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tiny models, 2 steps, 1 warm-up: checks the pipeline in seconds; "
                          "the figures mean nothing")
     ap.add_argument("--world", type=int, default=None,
-                    help="ranks for the benchmarks that take it (default theirs: 2)")
+                    help="ranks for the benchmarks that take it (default theirs: 2; on "
+                         "cuda one per GPU)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                    help=f"where {', '.join(ON_DEVICE)} compute: auto (the default: cuda, one "
+                         "GPU per rank over NCCL, when a GPU is visible), cpu or cuda; the "
+                         "other benchmarks run on the CPU")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per benchmark before it is stopped (default 7200, quick 600)")
     ap.add_argument("--command", default="", help=argparse.SUPPRESS)  # as the user typed it
@@ -285,11 +311,12 @@ def main(argv: list[str] | None = None) -> int:
         specs = select(args.only)
         if args.world is not None and args.world < 1:
             raise SuiteError(f"--world must be at least 1, got {args.world}")
+        check_device(args.device)
     except SuiteError as err:
         print(f"metadist bench: {err}", file=sys.stderr)
         return 2
     results = run_suite(specs, Path(args.out).resolve(), quick=args.quick, world=args.world,
-                        timeout=args.timeout, command=args.command)
+                        timeout=args.timeout, command=args.command, device=args.device)
     failed = [n for n, e in results["benchmarks"].items() if e["status"] != "ok"]
     if failed:
         print(f"metadist bench: {', '.join(failed)} failed (see the report and "

@@ -2,13 +2,15 @@
 (and FairScale OSS + ShardedDDP when it is installed in the benchmark environment).
 
     python -m benchmarks.zero [--world 2] [--steps 12] [--workloads mlp,transformer]
-                              [--json PATH] [--quick]
+                              [--device auto|cpu|cuda] [--json PATH] [--quick]
 
 Every configuration trains its own copy of the model in the same processes, taking turns
 step by step (warm-up discarded, medians), Adam, batch 32 per rank (16 x 64 tokens for the
 transformer). Per-rank memory is the bytes of the unique storages behind parameters,
 gradients and optimizer state after a step, next to the ZeRO formulas; collectives and bytes
-of one more (untimed) step of each metadist strategy, next to the ring limit.
+of one more (untimed) step of each metadist strategy, next to the ring limit. On cuda (NCCL,
+one GPU per rank) also each configuration's peak during one step above what it held before
+(``torch.cuda.max_memory_allocated``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 import metadist
+from benchmarks import device
 from benchmarks.common import (
     Results,
     alternate,
@@ -68,21 +71,21 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 def _configs(name: str, kinds: list[str], quick: bool) -> dict[str, Config]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
 
     factory, data, loss_fn = workload(name, quick)
-    batches = data(metadist.world().rank)
+    dev = device.here()
+    batches = [(x.to(dev), y.to(dev)) for x, y in data(metadist.world().rank)]
     unit_class = nn.TransformerEncoderLayer
     out: dict[str, Config] = {}
     for kind in kinds:
-        model = factory()
+        model = factory().to(dev)  # metadist's strategies would move it; torch's do not
         match kind:
             case "no-comm bound":
                 opt = _adam(model.parameters())
                 out[kind] = Config(model, opt, batches, loss_fn, lambda t: t.backward(),
                                    model.parameters)
             case "torch ZeRO (DDP + ZeroRedundancyOptimizer)":
-                ddp = DistributedDataParallel(model)
+                ddp = device.ddp(model)
                 opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
                                               lr=1e-4)
                 out[kind] = Config(ddp, opt, batches, loss_fn, lambda t: t.backward(),
@@ -136,9 +139,11 @@ def _body(name: str, kinds: list[str], steps: int, warmup: int,
     configs = _configs(name, kinds, quick)
     median = alternate({k: c.step for k, c in configs.items()}, reps=steps, warmup=warmup)
     traffic = {k: step_traffic(c) for k, c in configs.items() if k.startswith("metadist")}
+    peaks = {k: device.step_peak(c.step) for k, c in configs.items()}
     return {"median": median,
             "memory": {k: c.memory() for k, c in configs.items()}, "traffic": traffic,
-            "params": param_count(workload(name, quick)[0]())}
+            "params": param_count(workload(name, quick)[0]()),
+            **({"cuda_peak": peaks} if None not in peaks.values() else {})}
 
 
 #: zero1/zero2 refresh parameters inside step() by default; this suffix is the opt-in
@@ -191,6 +196,8 @@ def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
             entry["total_over_formula"] = (p + g + o) / formulas[kind]
         if kind in res["traffic"]:
             entry["traffic"] = against_ring_limit(res, kind, n)
+        if "cuda_peak" in res:
+            entry["cuda_step_peak_bytes"] = res["cuda_peak"][kind]
         configs[kind] = entry
     ratios = [{"config": kind, "reference": ref, "ratio": med[kind] / med[ref]}
               for kind in med for ref in ANCHORS if ref in med and ref != kind]
@@ -200,8 +207,8 @@ def _data(res: dict[str, Any], n: int) -> dict[str, Any]:
 def _report(out: Results, name: str, res: dict[str, Any], kinds: list[str], n: int,
             steps: int) -> None:
     med, formulas = res["median"], zero_formulas(res["params"], n)
-    out.heading(f"{name} ({res['params'] / 1e6:.1f}M params), world size {n}, gloo, 1 thread "
-                f"per rank, Adam (medians of {steps}, alternating)")
+    out.heading(f"{name} ({res['params'] / 1e6:.1f}M params), world size {n}, "
+                f"{device.where(n)}, Adam (medians of {steps}, alternating)")
     rows = []
     zro = med.get("torch ZeRO (DDP + ZeroRedundancyOptimizer)", float("nan"))
     fsdp2 = med.get("torch FSDP2 fully_shard", float("nan"))
@@ -214,6 +221,9 @@ def _report(out: Results, name: str, res: dict[str, Any], kinds: list[str], n: i
     out.table(["configuration", "ms / step", "/ torch ZeRO", "/ FSDP2", "params MiB",
                "grads MiB", "optim MiB", "total MiB", "total / ZeRO formula"], rows,
               key=f"{name} step time and memory")
+    if "cuda_peak" in res:
+        out.table(["configuration", "CUDA step peak above resident MiB"],
+                  [(k, res["cuda_peak"][k] / 2**20) for k in kinds], key=f"{name} cuda peak")
     rows = []
     for kind, t in res["traffic"].items():
         limit = ring_limit(kind, res["params"], n)
@@ -228,13 +238,14 @@ def _report(out: Results, name: str, res: dict[str, Any], kinds: list[str], n: i
 def main() -> None:
     peers = use_peers()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=3, help="steps discarded first")
     ap.add_argument("--workloads", default="mlp,transformer", help="comma-separated")
     ap.add_argument("--only", default="", help="comma-separated subset of the configurations")
+    device.add_args(ap)
     output_args(ap)
     args = parse(ap, steps=2, warmup=1)
+    device.resolve(args)
     with Results("zero", args) as out:  # JSON also of what ran before a failure
         kinds = [k for k in KINDS if not args.only or k in args.only.split(",")]
         try:

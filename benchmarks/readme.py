@@ -2,6 +2,8 @@
 
     python -m benchmarks.readme out/bench/results.json            # rewrite README.md
     python -m benchmarks.readme out/bench/results.json --check    # exit 1 if it would change
+    python -m benchmarks.readme out/bench/results.json --merge out/one/results.json
+                                    # one benchmark re-run on its own: its sections from there
 
 Every figure of the README's "Benchmarks" part sits between a pair of markers,
 
@@ -37,7 +39,8 @@ from benchmarks.tables import table
 README = ROOT / "README.md"
 FIGURES = ROOT / "docs" / "figures"
 RESULTS_COPY = "bench-results.json"  # beside the figures: the run the README shows
-PLOTS = ("step_ratios.png", "memory_per_rank.png", "traffic.png", "ddp_step_time.png")
+PLOTS = ("step_ratios.png", "memory_per_rank.png", "traffic.png", "ddp_step_time.png",
+         "sharded_meta_memory.png")
 _BEGIN = re.compile(r"^<!-- bench: (?P<name>[a-z_]+) -->$", re.M)
 
 
@@ -86,6 +89,8 @@ RELABEL = {
     "compiled steps/s": "compiled steps / s",
     "1st eager s": "first eager step s",
     "1st compiled s": "first compiled step s",
+    # sharded_meta
+    "within": "bound met",
     # comm
     "comm vs torch": "time ratio comm / torch - 1",
     "debug vs comm": "time ratio debug / comm - 1",
@@ -106,7 +111,9 @@ _PLAIN = {"workload", "configuration", "reference", "strategy", "format", "preci
           "all-reduce MiB", "256 x 4 KiB all-reduce", "per-rank batch", "global batch",
           "collectives / step", "collectives / it", "metadist collectives / it",
           "iterations compared", "same init", "max loss diff", "loss after training",
-          "per rank MiB (rank 0 / 1 / ...)"}
+          "per rank MiB (rank 0 / 1 / ...)", "fast weights", "collective",
+          "calls / meta-step", "calls / meta-step by the formula",
+          "growth bytes per parameter", "largest model G parameters"}
 
 
 def label(bench: str, column: str) -> str:
@@ -168,6 +175,11 @@ def _tables(results: dict[str, Any], bench: str,
     result = entry["result"]
     load = entry.get("loadavg")
     when = f" (1-minute load average as it ended: {load[0]:.1f})" if load else ""
+    run = entry.get("run")
+    if run:  # merged from a run of its own (--merge)
+        code = f", commit {run['commit']}" if run.get("commit") else ""
+        when += (f", measured in a separate run (`{run['command']}`, {run['date'][:10]}"
+                 f"{code}{' with uncommitted changes' if run.get('dirty') else ''})")
     lines = [f"`{_command(entry)}`{when}:", ""]
     shown = [t for t in result["tables"] if keys(t["key"])]
     titles = list(dict.fromkeys(t["title"] for t in shown))
@@ -218,6 +230,10 @@ def section_machine(results: dict[str, Any]) -> list[str]:
     if m.get("commit"):
         code = (f" of commit {m['commit']}"
                 f"{' with uncommitted changes' if m.get('dirty') else ''}")
+    separate = [name for name, e in results["benchmarks"].items() if e.get("run")]
+    if separate:
+        load_text += (f" The sections of {', '.join(separate)} come from separate runs, "
+                      "each saying which.")
     return [f"The figures below come from one `{results['command']}` run{code} of "
             f"{m['date'][:10]} ({m['date']}) on {m.get('cpu') or 'an unknown CPU'} "
             f"({m.get('cpu_count')} cores; {device}), world size {s.get('world') or 2} "
@@ -310,6 +326,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "deferred_init": _simple("deferred_init"),
     "compiled": _simple("compiled"),
     "mapreduce": _simple("mapreduce"),
+    "sharded_meta": _simple("sharded_meta", notes=True),
     "comm": _simple("comm", notes=True),
 }
 
@@ -356,11 +373,29 @@ def current(text: str) -> dict[str, str]:
         text, flags=re.M | re.S)}
 
 
+def merged(results: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with the benchmarks of ``part`` (a run of some benchmarks of their own,
+    `metadist bench --only ...`) in place of its own, each marked with that run."""
+    if part.get("settings", {}).get("quick"):
+        raise ReadmeError("a --merge run comes from `metadist bench --quick`: its figures "
+                          "mean nothing")
+    out: dict[str, Any] = json.loads(json.dumps(results))
+    m = part["machine"]
+    for name, entry in part["benchmarks"].items():
+        out["benchmarks"][name] = {**entry, "run": {
+            "command": part["command"], "date": m["date"], "commit": m.get("commit"),
+            "dirty": m.get("dirty")}}
+    return out
+
+
 def update(results_path: Path, readme: Path = README, figures: Path | None = FIGURES,
-           check: bool = False) -> bool:
-    """Rewrite ``readme`` (and the figures) from ``results_path``; True if anything changed
-    (with ``check``, nothing is written)."""
+           check: bool = False, merge: Sequence[Path] = ()) -> bool:
+    """Rewrite ``readme`` (and the figures) from ``results_path`` with the benchmarks of
+    every ``merge`` run in place of its own; True if anything changed (with ``check``,
+    nothing is written)."""
     results = json.loads(results_path.read_text())
+    for part in merge:
+        results = merged(results, json.loads(part.read_text()))
     text = readme.read_text()
     new = rewrite(text, sections(results))
     changed = new != text
@@ -370,12 +405,14 @@ def update(results_path: Path, readme: Path = README, figures: Path | None = FIG
         readme.write_text(new)
     if figures is not None:
         figures.mkdir(parents=True, exist_ok=True)
-        for name in PLOTS:
-            source = results_path.parent / name
-            if source.is_file():
-                shutil.copyfile(source, figures / name)
+        for name in PLOTS:  # a merged run's plot wins over the main run's
+            for folder in [*(p.parent for p in reversed(merge)), results_path.parent]:
+                if (folder / name).is_file():
+                    if (folder / name).resolve() != (figures / name).resolve():
+                        shutil.copyfile(folder / name, figures / name)
+                    break
         copy = figures / RESULTS_COPY
-        if copy.resolve() != results_path.resolve():
+        if merge or copy.resolve() != results_path.resolve():
             copy.write_text(json.dumps(results, indent=1) + "\n")
     return changed
 
@@ -389,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the README's plots and the results' copy go ('' for nowhere)")
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if the README differs from the results")
+    ap.add_argument("--merge", action="append", default=[], metavar="RESULTS",
+                    help="results.json of a run of some benchmarks of their own (`metadist "
+                         "bench --only ...`): their sections and plots come from it, saying "
+                         "so (repeatable)")
     args = ap.parse_args(argv)
     source = Path(args.results)
     if not source.is_file():
@@ -396,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         changed = update(source, Path(args.readme), Path(args.figures) if args.figures else None,
-                         check=args.check)
+                         check=args.check, merge=[Path(m) for m in args.merge])
     except ReadmeError as err:
         print(f"benchmarks.readme: {err}", file=sys.stderr)
         return 2

@@ -271,6 +271,38 @@ def test_readme_generator_rewrites_its_sections_from_results(tmp_path: Path) -> 
     assert json.loads((figures / readme.RESULTS_COPY).read_text()) == results
 
 
+def test_readme_generator_merges_a_benchmark_run_of_its_own(tmp_path: Path) -> None:
+    """`--merge`: a benchmark re-run on its own (`metadist bench --only NAME`) replaces that
+    benchmark's sections and plot, and every figure from it says which run it is."""
+    results, part = _full_run(), _full_run()
+    part["command"] = "metadist bench --only ddp"
+    part["machine"].update(date="2026-12-01T10:00:00+00:00", commit="fedcba987654",
+                           dirty=False)
+    part["benchmarks"] = {"ddp": part["benchmarks"]["ddp"]}
+    part["benchmarks"]["ddp"]["result"]["tables"][0]["rows"][0][1] = 123.0
+    main, other = tmp_path / "main" / "results.json", tmp_path / "other" / "results.json"
+    for path, data in ((main, results), (other, part)):
+        path.parent.mkdir()
+        path.write_text(json.dumps(data))
+    (main.parent / "traffic.png").write_bytes(b"\x89PNG main")
+    (other.parent / "traffic.png").write_bytes(b"\x89PNG other")
+    target, figures = tmp_path / "README.md", tmp_path / "figures"
+    target.write_text(_readme_with_markers(list(readme.SECTIONS)))
+    assert readme.main([str(main), "--readme", str(target), "--figures", str(figures),
+                        "--merge", str(other)]) == 0
+    got = readme.current(target.read_text())
+    assert ("measured in a separate run (`metadist bench --only ddp`, 2026-12-01, commit "
+            "fedcba987654)") in got["ddp"] and "| 123 |" in got["ddp"]
+    assert "separate run" not in got["zero"]  # the main run's
+    assert "The sections of ddp come from separate runs, each saying which." in got["machine"]
+    assert (figures / "traffic.png").read_bytes() == b"\x89PNG other"
+    copy = json.loads((figures / readme.RESULTS_COPY).read_text())
+    assert readme.sections(copy) == got  # the committed copy reproduces the README
+    part["settings"]["quick"] = True
+    with pytest.raises(readme.ReadmeError, match="--quick"):
+        readme.merged(results, part)
+
+
 def test_readme_generator_refuses_what_it_cannot_write_truthfully() -> None:
     results = _full_run()
     with pytest.raises(readme.ReadmeError, match="--quick"):

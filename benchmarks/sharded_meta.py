@@ -1,0 +1,295 @@
+"""Second-order meta-learning beyond one rank's memory: per-rank peak of a meta-step.
+
+    python -m benchmarks.sharded_meta [--width 2048] [--depth 6] [--batch 32] [--steps 5]
+                                      [--warmup 2] [--json PATH] [--quick]
+
+The workload: an MLP of ``depth`` Linear(width, width) + tanh layers (width 2048, depth 6:
+96 MiB of float32 parameters), one inner problem whose global batch is split over the ranks,
+3 unrolled SGD steps with create_graph=True, the outer loss, backward and the optimizer's
+step. Three ways, each at N = 1, 2 and 4 ranks (gloo, 1 thread per rank):
+
+* ddp, gathered: ``full_parameters()`` + ``functional_forward`` (everything whole);
+* zero3, gathered: the same lines under zero3 (``wrap_classes=(nn.Linear,)``);
+* zero3, sharded: ``model.fast_weights()`` (strategies/sharded_fast.py); and hsdp 2 x 2.
+
+Memory is the growth of each rank's peak during one meta-step, two ways: bytes of live
+storages (allocations seen by a dispatch mode; stable under load) and resident memory (the
+kernel's high-water mark, reset before the step, with glibc's mmap threshold fixed so that
+it follows the tensors: see :func:`_resident_follows_tensors`). The bound is issue 28's:
+1.2 x (ddp's growth at N = 1) / N + twice the largest unit's full size. Time: medians of
+``--steps`` alternating meta-steps, sharded against gathered, in the same two processes.
+Traffic: the collectives one sharded meta-step issues, by kind, against the count the
+mechanism implies (see :func:`_expected_calls`), and bytes each rank sends against the ring
+model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import metadist
+from benchmarks.common import Results, alternate, output_args, parse
+from metadist.comm import stats
+from metadist.testing import peak_bytes_of
+
+K, LR = 3, 0.1
+MIB = 2**20
+WRAP = {"wrap_classes": (nn.Linear,)}
+
+
+def _net(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _mse(out: Tensor, y: Tensor) -> Tensor:
+    return ((out - y) ** 2).mean()
+
+
+def _set_up(strategy: str, width: int, depth: int, batch: int) -> tuple[Any, ...]:
+    options = WRAP if strategy in ("zero3", "hsdp") else {}
+    s = metadist.strategy(strategy, **options)
+    net = _net(width, depth)
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    return s, model, opt, x, y
+
+
+def _step(s: Any, model: Any, opt: Any, x: Tensor, y: Tensor, path: str) -> None:
+    """One meta-step: K inner SGD steps on this rank's slice, the outer loss, the step."""
+    opt.zero_grad(set_to_none=False)
+    if path == "sharded":
+        fast = model.fast_weights()
+        xs, ys = (t.chunk(fast.group_size)[fast.group_rank] for t in (x, y))
+        for _ in range(K):
+            fast = fast - LR * fast.grad(_mse(model.functional_forward(fast, xs), ys))
+        s.backward(_mse(model.functional_forward(fast, xs), ys))
+    else:
+        w = metadist.world()
+        xs, ys = (t.chunk(w.world_size)[w.rank] for t in (x, y))
+        params = model.full_parameters()
+        for _ in range(K):
+            inner = _mse(model.functional_forward(params, xs), ys)
+            grads = torch.autograd.grad(inner, list(params.values()), create_graph=True)
+            params = {n: p - LR * d for (n, p), d in zip(params.items(), grads, strict=True)}
+        s.backward(_mse(model.functional_forward(params, xs), ys))
+    opt.step()
+
+
+@contextmanager
+def _resident_follows_tensors() -> Iterator[None]:
+    """The memory runs' ranks with glibc's mmap threshold fixed at 1 MiB: every larger
+    buffer is mapped on allocation and returned on free, so resident memory follows the live
+    tensors. (By default the threshold rises after the first free, up to 32 MiB: a unit's
+    16 MiB buffers then come from the heap, whose freed pages stay resident, and the peak
+    measures the allocator's fragmentation, not the program.) The time runs keep the
+    default: mapping every buffer afresh costs page faults."""
+    key = "MALLOC_MMAP_THRESHOLD_"
+    before = os.environ.get(key)
+    os.environ[key] = str(2**20)  # read by each rank's C library when it starts
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> bool:
+    try:  # Linux: "5" resets the high-water mark to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _memory_body(strategy: str, path: str, width: int, depth: int, batch: int
+                 ) -> dict[str, float]:
+    """Rank-wise growth of one meta-step: resident memory over the first one after setup
+    (the issue's measure), live storages over the second (gradients exist, as in
+    training)."""
+    s, model, opt, x, y = _set_up(strategy, width, depth, batch)
+    # resident: the first meta-step after setup (later ones reuse what the allocator kept)
+    before = _status_kib("VmRSS")
+    reset = _reset_peak_rss()
+    _step(s, model, opt, x, y, path)
+    peak_kib = (_status_kib("VmHWM") if reset
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    rss = max(peak_kib - before, 0) * 1024
+    live = peak_bytes_of(lambda: _step(s, model, opt, x, y, path))[1]
+    mine = torch.tensor([live, rss], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(metadist.world().world_size)]
+    if metadist.world().world_size > 1:
+        torch.distributed.all_gather(every, mine)
+    else:
+        every = [mine]
+    return {"live_max": max(float(t[0]) for t in every) / MIB,
+            "live_min": min(float(t[0]) for t in every) / MIB,
+            "rss_max": max(float(t[1]) for t in every) / MIB,
+            "rss_min": min(float(t[1]) for t in every) / MIB}
+
+
+def _time_body(width: int, depth: int, batch: int, steps: int, warmup: int
+               ) -> dict[str, Any]:
+    """Sharded and gathered meta-steps alternating on one zero3 model; the collectives of
+    one sharded meta-step."""
+    s, model, opt, x, y = _set_up("zero3", width, depth, batch)
+    def run(path: str) -> Callable[[], None]:
+        return lambda: _step(s, model, opt, x, y, path)
+
+    times = alternate({path: run(path) for path in ("sharded", "gathered")}, steps, warmup)
+    with stats.counting() as counted:
+        _step(s, model, opt, x, y, "sharded")
+    ops = {op: {"calls": o.calls, "bytes": o.bytes, "wire_bytes": o.wire_bytes}
+           for op, o in counted.ops.items()}
+    return {"times": times, "ops": ops}
+
+
+def _expected_calls(units: int, saved: int) -> dict[str, int]:
+    """Collectives of one sharded meta-step with K inner steps, for ``units`` units of which
+    ``saved`` have a weight autograd saves (a Linear's weight is saved for the gradient of
+    its input; the first layer's input needs none). All-gathers: every unit in each of the
+    K + 1 forwards and, in the outer backward, for each recorded reduce-scatter's gradient
+    (K); every saved weight again when a backward reads it: the K inner backwards, and the
+    outer backward through the K + 1 forwards and the K recorded backwards.
+    Reduce-scatters: every unit's gradient in the K inner backwards and of the K + 1
+    forwards in the outer one, and each saved weight's K second-order gradients."""
+    gathers = (K + 1) * units + K * units + (K + K + 1 + K) * saved
+    scatters = K * units + (K + 1) * units + K * saved
+    return {"all_gather": gathers, "reduce_scatter": scatters}
+
+
+def _largest(out: Results, mem: dict[tuple[str, str, int], dict[str, float]], params: int,
+             budget_gib: float) -> list[dict[str, Any]]:
+    """The largest model of this shape (depth fixed, width grown: every term scales with
+    the parameter count) whose meta-step growth fits ``budget_gib`` per rank: ddp from its
+    N = 1 growth per parameter, sharded from the fit growth(N) = (a / N + c) x parameters
+    through the N = 2 and N = 4 measurements."""
+    per_param = {n: mem[("zero3", "sharded", n)]["live_max"] * MIB / params for n in (2, 4)}
+    a = (per_param[2] - per_param[4]) * 4  # bytes per parameter that divide by N
+    c = per_param[4] - a / 4  # and that do not (units whole, activations)
+    ddp = mem[("ddp", "gathered", 1)]["live_max"] * MIB / params
+    budget = budget_gib * 2**30
+    rows, records = [], []
+    for label, n, per in (("ddp, gathered", 1, ddp), ("zero3, sharded", 4, a / 4 + c),
+                          ("zero3, sharded (fit)", 8, a / 8 + c),
+                          ("zero3, sharded (fit)", 16, a / 16 + c)):
+        largest = budget / per
+        rows.append((label, n, f"{per:.1f}", f"{largest / 1e9:.2f}"))
+        records.append({"configuration": label, "ranks": n, "bytes_per_parameter": per,
+                        "largest_parameters": largest})
+    out.heading(f"the largest model of this shape a {budget_gib:g} GiB rank meta-trains "
+                f"({K} inner steps, create_graph)")
+    out.table(["configuration", "ranks", "growth bytes per parameter", "largest model "
+               "G parameters"], rows, key="largest")
+    out.note(f"sharded fit: growth(N) = ({a:.1f} / N + {c:.1f}) bytes per parameter, "
+             "through the N = 2 and N = 4 rows above; (fit) rows extrapolate it")
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=32, help="the inner problem's global batch")
+    ap.add_argument("--time-batches", default="32,256",
+                    help="global batches the time comparison runs at (compute grows with the "
+                         "batch, the collectives do not)")
+    ap.add_argument("--steps", type=int, default=5, help="timed meta-steps per path")
+    ap.add_argument("--budget-gib", type=float, default=16.0,
+                    help="per-rank memory for the largest-model table")
+    ap.add_argument("--warmup", type=int, default=2)
+    output_args(ap)
+    args = parse(ap, width=256, steps=2, warmup=1, time_batches="32")
+    shape = (args.width, args.depth, args.batch)
+    params = args.depth * args.width * (args.width + 1)
+    unit_mib = args.width * (args.width + 1) * 4 / MIB
+    with Results("sharded_meta", args) as out:
+        runs = [("ddp", "gathered", n, 1) for n in (1, 2, 4)]
+        runs += [("zero3", path, n, 1) for path in ("gathered", "sharded") for n in (1, 2, 4)]
+        runs += [("hsdp", "sharded", 4, 2)]
+        mem = {}
+        with _resident_follows_tensors():
+            for strategy, path, n, nodes in runs:
+                mem[(strategy, path, n)] = metadist.launch(
+                    _memory_body, n, args=(strategy, path, *shape), threads=1, nnodes=nodes,
+                    timeout=3000)[0]
+        one = mem[("ddp", "gathered", 1)]["rss_max"]
+        one_live = mem[("ddp", "gathered", 1)]["live_max"]
+        out.heading(f"per-rank peak growth of one meta-step: MLP {args.depth} x {args.width} "
+                    f"({params * 4 / MIB:.0f} MiB float32), {K} inner steps with create_graph, "
+                    f"global batch {args.batch}, gloo, 1 thread per rank")
+        rows: list[tuple[Any, ...]] = []
+        records = []
+        for (strategy, path, n), m in mem.items():
+            factor = 2 if strategy == "hsdp" else n
+            bound = 1.2 * one_live / factor + 2 * unit_mib
+            label = "2 x 2" if strategy == "hsdp" else str(n)
+            rows.append((strategy, path, label, f"{m['rss_min']:.0f}-{m['rss_max']:.0f}",
+                         f"{m['live_min']:.0f}-{m['live_max']:.0f}", f"{bound:.0f}",
+                         "yes" if m["live_max"] <= bound else "no"))
+            records.append({"strategy": strategy, "path": path, "ranks": label,
+                            "rss_mib": [m["rss_min"], m["rss_max"]],
+                            "live_mib": [m["live_min"], m["live_max"]], "bound_mib": bound})
+        out.table(["strategy", "fast weights", "ranks", "resident growth MiB (min-max rank)",
+                   "live storages MiB (min-max rank)", "bound MiB (live)", "within"],
+                  rows, key="memory")
+        out.note(f"bound: 1.2 x (ddp's live growth at N = 1: {one_live:.0f} MiB) / N + twice "
+                 f"the largest unit ({unit_mib:.1f} MiB each); hsdp at its shard factor 2. "
+                 f"ddp's resident growth at N = 1: {one:.0f} MiB.")
+        out.data["memory"] = records
+        out.data["largest"] = _largest(out, mem, params, args.budget_gib)
+        rows = []
+        timing = []
+        for batch in (int(b) for b in args.time_batches.split(",")):
+            res = metadist.launch(_time_body, 2, args=(args.width, args.depth, batch,
+                                                       args.steps, args.warmup),
+                                  threads=1, timeout=3000)[0]
+            t = res["times"]
+            rows.append((batch, t["sharded"] * 1e3, t["gathered"] * 1e3,
+                         f"{t['sharded'] / t['gathered']:.2f}"))
+            timing.append({"batch": batch, "sharded_ms": t["sharded"] * 1e3,
+                           "gathered_ms": t["gathered"] * 1e3,
+                           "ratio": t["sharded"] / t["gathered"]})
+        out.heading(f"meta-step time at N = 2, zero3 (medians of {args.steps}, alternating)")
+        out.table(["global batch", "sharded ms", "gathered ms", "time ratio sharded / gathered"],
+                  rows, key="time")
+        out.data["time"] = timing
+        expected = _expected_calls(args.depth, args.depth - 1)
+        unit_bytes = args.width * (args.width + 1) * 4
+        rows = []
+        for op, o in sorted(res["ops"].items()):
+            want = expected.get(op)
+            ring = (want * unit_bytes / 2 if want is not None else None)  # (N-1)/N at N = 2
+            rows.append((op, o["calls"], want if want is not None else "-",
+                         f"{o['wire_bytes'] / MIB:.0f}",
+                         f"{ring / MIB:.0f}" if ring is not None else "-"))
+        out.heading("collectives of one sharded meta-step at N = 2")
+        out.table(["collective", "calls / meta-step", "calls / meta-step by the formula",
+                   "MiB sent per rank (ring model)", "MiB for those calls' unit payloads"],
+                  rows, key="traffic")
+        out.data["traffic"] = {"ops": res["ops"], "expected_calls": expected}
+
+
+if __name__ == "__main__":
+    main()

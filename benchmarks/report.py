@@ -211,9 +211,47 @@ def plot_traffic(results: dict[str, Any], path: Path) -> Path | None:
     return _save(plt, fig, path)
 
 
+def plot_sharded_meta(results: dict[str, Any], path: Path) -> Path | None:
+    """Per-rank peak growth of one second-order meta-step against N: whole fast weights
+    (ddp, zero3 gathered) and shard fast weights (zero3), with issue 28's bound."""
+    entry = results.get("benchmarks", {}).get("sharded_meta")
+    if not entry or entry.get("status") != "ok":
+        return None
+    rows = entry["result"].get("data", {}).get("memory", [])
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, axes = _subplots(plt, 1, width=6.5)
+    ax = axes[0]
+    for (strategy, path_kind), colour in ((("ddp", "gathered"), "#4c72b0"),
+                                          (("zero3", "gathered"), "#dd8452"),
+                                          (("zero3", "sharded"), "#55a868")):
+        mine = [r for r in rows if (r["strategy"], r["path"]) == (strategy, path_kind)
+                and r["ranks"].isdigit()]
+        ax.plot([int(r["ranks"]) for r in mine], [r["live_mib"][1] for r in mine], "o-",
+                color=colour, label=f"{strategy}, {path_kind} fast weights")
+    bound = [r for r in rows if r["strategy"] == "zero3" and r["path"] == "sharded"
+             and r["ranks"].isdigit()]
+    ax.plot([int(r["ranks"]) for r in bound], [r["bound_mib"] for r in bound], "k--",
+            linewidth=1, label="bound: 1.2 x ddp(N=1) / N + 2 units")
+    hsdp = [r for r in rows if r["strategy"] == "hsdp"]
+    if hsdp:
+        ax.plot([4], [hsdp[0]["live_mib"][1]], "s", color="#c44e52",
+                label="hsdp 2 x 2, sharded")
+    ax.set_xticks([1, 2, 4])
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("MiB per rank (live storages, peak growth)")
+    ax.set_title("second-order meta-step: per-rank peak")
+    ax.set_ylim(0, None)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
 PLOTS = (("step-time ratios", "step_ratios.png", plot_ratios),
          ("memory per rank", "memory_per_rank.png", plot_memory),
-         ("traffic per step", "traffic.png", plot_traffic))
+         ("traffic per step", "traffic.png", plot_traffic),
+         ("second-order meta-step memory per rank", "sharded_meta_memory.png",
+          plot_sharded_meta))
 
 
 def _header(results: dict[str, Any]) -> list[str]:

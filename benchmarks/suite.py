@@ -33,7 +33,7 @@ from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
-              "compiled")
+              "compiled", "sharded_meta")
 
 
 class SuiteError(Exception):
@@ -77,6 +77,8 @@ def spec(name: str) -> Spec:
         case "torchopt_compat":  # whole runs alternate: TorchOpt and the drop-in both start RPC
             return Spec(name, module, world=False, peers=("torchopt",))
         case "deferred_init":  # its own world sizes (2 and 4): the peak against model/world
+            return Spec(name, module, world=False)
+        case "sharded_meta":  # its own world sizes (1, 2 and 4, hsdp 2 x 2)
             return Spec(name, module, world=False)
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")
 

@@ -110,6 +110,9 @@ RESHARD = [  # (save strategy, ranks, format) -> (load strategy, ranks)
     ("zero2", 3, "full", "ddp", 2),
     ("ddp", 2, "full", "zero3", 3),
     ("zero3", 3, "sharded", "zero3", 2),
+    # one rank holds every parameter of a unit: their per-parameter values (Adam's step)
+    # were saved from one tensor and loaded sharing its storage, stepped once per parameter
+    ("zero3", 1, "sharded", "ddp", 2),
     ("single", 1, "sharded", "zero1", 2),
     # with the rows above, every strategy saves and loads each format
     ("zero2", 2, "sharded", "single", 1),

@@ -35,7 +35,7 @@ def _contents(source: Source) -> dict[str, Any]:
                             tensors[stored] = source.full(stored)
                         sd[key] = tensors[stored]
                     else:
-                        sd[key] = source.values[stored]
+                        sd[key] = source.value(stored)
                 contents[name] = sd
             case "optimizer":
                 state: dict[int, dict[str, Any]] = {}
@@ -44,7 +44,7 @@ def _contents(source: Source) -> dict[str, Any]:
                     for state_name in names:
                         where = (name, str(i), state_name)
                         state[i][state_name] = (source.full(where) if where in source.tensors
-                                                else source.values[where])
+                                                else source.value(where))
                 contents[name] = {"state": state, "param_groups": source.param_groups[name]}
             case "stateful":
                 contents[name] = source.stateful[name]

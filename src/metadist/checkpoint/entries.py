@@ -115,14 +115,16 @@ def check_plain(value: Any, where: str) -> None:
         "object state_dict()/load_state_dict()")
 
 
-def plain_copy(value: Any) -> Any:
-    """``value`` with every tensor detached onto the CPU (checkpoints load anywhere)."""
+def plain_copy(value: Any, private: bool = False) -> Any:
+    """``value`` with every tensor detached onto the CPU (checkpoints load anywhere);
+    ``private``: each tensor a copy of its own, sharing storage with nothing."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        out = value.detach().cpu()
+        return out.clone() if private else out
     if type(value) in (list, tuple, set):
-        return type(value)(plain_copy(v) for v in value)
+        return type(value)(plain_copy(v, private) for v in value)
     if type(value) in (dict, OrderedDict):
-        return type(value)((k, plain_copy(v)) for k, v in value.items())
+        return type(value)((k, plain_copy(v, private)) for k, v in value.items())
     return value
 
 

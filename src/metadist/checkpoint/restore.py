@@ -87,7 +87,7 @@ class _Planner:
 
     def _value(self, user: Key, stored: Key, like: Any) -> Any:
         if stored in self.source.values:
-            value = self.source.values[stored]
+            value = self.source.value(stored)
             if isinstance(like, torch.Tensor) and (not isinstance(value, torch.Tensor)
                                                    or value.shape != like.shape):
                 raise CheckpointMismatchError(f"{self.where}: {describe(user)} does not match "
@@ -185,7 +185,7 @@ class _Planner:
                 for p, key in holders:
                     shared[p.name][state_name] = (self.source.full(key)
                                                   if key in self.source.tensors
-                                                  else self.source.values[key])
+                                                  else self.source.value(key))
         if len(s.params) == 1:
             return {**out, **shared[s.params[0].name]}, {}
         keys = sorted({k for values in shared.values() for k in values})

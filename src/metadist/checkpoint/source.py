@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from metadist.checkpoint.digest import verify_zip
-from metadist.checkpoint.entries import HEADER, KINDS, Key, describe, is_piece_tensor
+from metadist.checkpoint.entries import HEADER, KINDS, Key, describe, is_piece_tensor, plain_copy
 from metadist.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -61,6 +61,14 @@ class Source(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional: only some sources hold files)
         """Release open files."""
+
+    def value(self, key: Key) -> Any:
+        """Value ``key`` (a 0-dim tensor, a number, an object), a copy of its own for each
+        reader. Values saved from one tensor (a flat shard's step count, saved once per
+        parameter it holds) come back sharing storage; handed out as they are, an
+        optimizer stepping each parameter would advance the shared count once per
+        parameter, silently."""
+        return plain_copy(self.values[key], private=True)
 
     def full(self, key: Key) -> torch.Tensor:
         """The whole tensor ``key``, in its saved shape and dtype."""

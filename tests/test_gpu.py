@@ -1,42 +1,62 @@
-"""CUDA paths: skipped cleanly on machines without a GPU (CI never has one)."""
+"""CUDA paths: skipped cleanly on machines without a GPU (CI never has one).
+
+Most rank bodies live in tests/gpu_bodies.py, parametrised by the device they must compute
+on, so that their logic also runs on CPU ranks (the tests here ask for "cuda"). Which of
+these have run on a GPU: README, "Verified on".
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import gpu_bodies as bodies
 import metadist
 from metadist.testing import run_on_ranks
-from parity import ATOL, assert_parity, reference, train_on_rank
+from parity import ATOL, assert_parity, assert_tensors_close, reference
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+several = pytest.mark.skipif(GPUS < 2, reason=f"needs two GPUs for NCCL at world 2+ ({GPUS} "
+                                              "visible)")
+SHARDED = {"min_unit_params": 40}  # tests/parity.py's net split into one unit per Linear
 
 
 def _on_gpu(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    assert metadist.world().device.type == "cuda"
-    got = train_on_rank(strategy, "adam", 1, True, options)
-    return {k: {n: t.cpu() for n, t in v.items()} if isinstance(v, dict) else v
-            for k, v in got.items()}
+    return bodies.parity("cuda", strategy, options)
 
 
 @pytest.mark.parametrize(("strategy", "options"), [
+    ("single", {}),
     ("ddp", {}),
+    ("zero1", {}),
     ("zero2", {}),
-    ("zero3", {"min_unit_params": 40}),
-    ("zero3", {"min_unit_params": 40, "cpu_offload": True}),
+    ("zero3", SHARDED),
+    ("zero3", {**SHARDED, "cpu_offload": True}),
+    ("hsdp", SHARDED),
 ])
 def test_strategies_on_one_gpu_match_the_cpu_reference(strategy: str,
                                                        options: dict[str, Any]) -> None:
     got = run_on_ranks(_on_gpu, 1, args=(strategy, options), backend=None)[0]
     assert_parity(got, reference("adam", world=1), f"{strategy} {options} on cuda")
 
+
+def test_dp_drives_every_gpu_from_one_process_or_says_to_use_ddp() -> None:
+    """dp replicates over the GPUs of one process: parity (without BatchNorm, whose
+    statistics DataParallel keeps per replica) on two or more, a refusal naming ddp on one."""
+    if GPUS < 2:
+        message = run_on_ranks(bodies.dp_refusal, 1, args=("cuda",), backend=None)[0]
+        assert message.startswith("strategy 'dp' drives several GPUs from one process but 1 "
+                                  "GPU(s) are visible; use metadist.strategy('ddp')"), message
+        return
+    got = run_on_ranks(bodies.parity, 1, args=("cuda", "dp", {}, False), backend=None)[0]
+    assert_parity(got, reference("adam", batchnorm=False), "dp on cuda")
 
 def _offload_placement() -> dict[str, Any]:
     """zero3 with cpu_offload on cuda: where shards, gradients, optimizer state and the
@@ -81,11 +101,14 @@ def test_cpu_offload_keeps_shards_grads_and_state_on_the_cpu_and_computes_on_cud
     }
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs for NCCL")
-def test_zero3_on_two_gpus_with_nccl() -> None:
+@several
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("ddp", {}), ("zero1", {}), ("zero2", {}), ("zero3", SHARDED), ("hsdp", SHARDED)])
+def test_strategies_on_two_gpus_with_nccl(strategy: str, options: dict[str, Any]) -> None:
     want = reference("adam", world=2)
-    for got in run_on_ranks(_on_gpu, 2, args=("zero3", {"min_unit_params": 40}), backend=None):
-        assert_parity(got, want, "zero3 nccl")
+    for rank, got in enumerate(run_on_ranks(_on_gpu, 2, args=(strategy, options),
+                                            backend=None)):
+        assert_parity(got, want, f"{strategy} nccl rank {rank}")
 
 
 def _bf16() -> float:
@@ -139,3 +162,120 @@ def test_the_loaders_shuffle_leaves_the_cuda_generator_alone() -> None:
     # The epoch's order is drawn under a seeded CPU generator; the user's CUDA stream of
     # random numbers (dropout) must not be reseeded by it.
     assert run_on_ranks(_cuda_rng_untouched_by_an_epoch, 1, backend=None)[0]
+
+
+def test_16_mixed_skips_the_overflowing_step_and_backs_off() -> None:
+    got = run_on_ranks(bodies.overflow, 1, args=("cuda",), backend=None)[0]
+    assert got["devices"] == {"cuda"}
+    assert got["skipped"] == [False, True, False]
+    assert got["moved"] == [True, False, True]  # the skipped step left the weights alone
+    assert got["scales"][2] == got["scales"][1] / 2 and got["after"] == got["scales"][2]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_bf16_true_keeps_parameters_and_state_in_bfloat16_and_trains(strategy: str) -> None:
+    got = run_on_ranks(bodies.bf16_true, 1, args=("cuda", strategy), backend=None)[0]
+    assert got["params"] == {torch.bfloat16} and got["state"] == {torch.bfloat16}
+    assert got["devices"] == {"cuda"} and got["ratio"] < 0.5
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("ddp", {}), ("zero3", {"wrap_classes": (bodies.Block,)})])
+def test_activation_checkpointing_on_cuda_trains_alike_and_keeps_less(
+        strategy: str, options: dict[str, Any]) -> None:
+    """Recomputation runs the same kernels on the same values: the states agree at the
+    parity tolerances, and the forward leaves less allocated (the blocks' inputs only)."""
+    got = run_on_ranks(bodies.checkpointing, 1, args=("cuda", strategy, options),
+                       backend=None)[0]
+    assert_tensors_close(got["checkpointed"]["state"], got["plain"]["state"], strategy)
+    assert got["checkpointed"]["held"] < got["plain"]["held"] / 2, got
+
+
+# Second-order MAML against plain torch on the same GPU. Issue 29, item 3: on one H200 a
+# 2M-parameter MLP under zero3 ended 1.2e-3 relative from plain torch after 25 meta-steps,
+# ddp bit-equal. ddp at world 1 computes with the module's own parameters and the kernels
+# plain torch runs, so it must be bit-equal here too. zero3's parameters are views into a
+# flat buffer; cuBLAS may pick another kernel for another alignment, about an ulp per
+# product, so zero3 gets the suite's tolerances (rtol 1.3e-6, atol 1e-5): this net's weights
+# are O(0.1-1) and Adam moves them 1e-3 a step, so a drift of the issue's size (~1e-3
+# relative) fails while ulp-level differences pass. The measured difference is printed
+# (pytest -s) and is in the failure message.
+MAML_CASES = [("ddp", {}), ("zero3", SHARDED)]
+
+
+def _maml_difference(got: dict[str, Any], plain: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(max |strategy - plain|, that over max |plain|) across every parameter."""
+    diff = max((got["strategy"][n] - p).abs().max().item() for n, p in plain.items())
+    return diff, diff / max(p.abs().max().item() for p in plain.values())
+
+
+@pytest.mark.parametrize(("strategy", "options"), MAML_CASES)
+def test_second_order_maml_on_one_gpu_matches_plain_torch(strategy: str,
+                                                          options: dict[str, Any]) -> None:
+    got = run_on_ranks(bodies.maml, 1, args=("cuda", strategy, options), backend=None)[0]
+    diff, relative = _maml_difference(got, got["plain"])
+    where = (f"MAML {strategy} on {torch.cuda.get_device_name(0)}, world 1, 10 meta-steps: "
+             f"max |strategy - plain torch| = {diff:.3g} ({relative:.3g} relative)")
+    print(where)
+    if strategy == "ddp":
+        assert diff == 0.0, where
+    assert_tensors_close(got["strategy"], got["plain"], where)
+
+
+@several
+@pytest.mark.parametrize(("strategy", "options"), MAML_CASES)
+def test_second_order_maml_on_two_gpus_matches_plain_torch(strategy: str,
+                                                           options: dict[str, Any]) -> None:
+    """Against one process's plain torch on all the tasks, at the suite's tolerances (the
+    gradient average over NCCL sums in another order than one backward does)."""
+    want = run_on_ranks(bodies.maml, 1, args=("cuda", strategy, options), backend=None)[0]
+    for rank, got in enumerate(run_on_ranks(bodies.maml, 2, args=("cuda", strategy, options),
+                                            backend=None)):
+        diff, relative = _maml_difference(got, want["plain"])
+        where = f"MAML {strategy} nccl rank {rank}: {diff:.3g} ({relative:.3g} relative)"
+        print(where)
+        assert_tensors_close(got["strategy"], want["plain"], where)
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("ddp", {}), ("zero3", {"wrap_classes": (bodies.Block,)})])
+def test_deferred_init_materialises_on_cuda_as_eager_construction(
+        strategy: str, options: dict[str, Any]) -> None:
+    got = run_on_ranks(bodies.deferred, 1, args=("cuda", strategy, options), backend=None)[0]
+    assert got["deferred"]["devices"] == {"cuda"}
+    for key, want in got["eager"]["first"].items():
+        assert torch.equal(got["deferred"]["first"][key], want), key
+    assert_tensors_close(got["deferred"]["final"], got["eager"]["final"], strategy)
+
+
+@pytest.mark.parametrize(("strategy", "options"), [
+    ("ddp", {}), ("zero3", {"wrap_classes": (bodies.Block,)})])
+def test_inductor_on_cuda_matches_plain_torch_compiled(strategy: str,
+                                                       options: dict[str, Any]) -> None:
+    """Inductor's kernels for zero3's pieces are not those of plain torch's whole graph:
+    agreement at the suite's tolerances, no graph break, nothing compiled after step 1."""
+    got = run_on_ranks(bodies.compiled, 1, args=("cuda", strategy, options), backend=None,
+                       timeout=900)[0]
+    mine = got["strategy"]
+    assert mine["breaks"] == 0 and len(set(mine["graphs"])) == 1, mine
+    assert_tensors_close(mine["params"], got["plain"]["params"], f"{strategy} inductor")
+
+
+def test_checkpoint_saved_on_cuda_loads_on_the_cpu_and_back(tmp_path: Path) -> None:
+    """zero3 trains 4 steps on the GPU and saves; ddp on CPU ranks (gloo, one rank more than
+    there are GPUs, so none gets one) loads it bit for bit, trains 3 steps and saves; zero3
+    on the GPU loads that and trains 3 more: 10 uninterrupted steps of plain torch."""
+    first, then = str(tmp_path / "cuda"), str(tmp_path / "cpu")
+    saved = run_on_ranks(bodies.save_trained, 1, args=("cuda", "zero3", SHARDED, first, 4),
+                         backend=None)[0]
+    on_cpu = run_on_ranks(bodies.load_train_save, GPUS + 1,
+                          args=("cpu", "ddp", {}, first, then, 3), backend="gloo")
+    for got in on_cpu:
+        assert got["devices"] == {"cpu"}
+        for kind in ("params", "state"):
+            for name, want in saved[kind].items():
+                assert torch.equal(got["loaded"][kind][name], want), f"{kind} {name}"
+    back = run_on_ranks(bodies.load_train_save, 1,
+                        args=("cuda", "zero3", SHARDED, then, None, 3), backend=None)[0]
+    assert back["devices"] == {"cuda"}
+    assert_parity(back["final"], reference("adam", batchnorm=False), "cuda -> cpu -> cuda")

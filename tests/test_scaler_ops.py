@@ -17,66 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import metadist
 from metadist.precision import LossScaler
-from metadist.testing import run_on_ranks
+from metadist.testing import OpCount, run_on_ranks
+from metadist.testing import count_ops as counted
 from parity import batches, loss_fn, make_net
-
-# aten ops that make the host wait for the device (on CUDA); .item() and bool() end in the first
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
-# Tensor methods that copy to the host without a dispatched op on CPU tensors
-SYNC_METHODS = ("tolist", "numpy", "cpu")
-
-
-class OpCount(TorchDispatchMode):
-    """Counts the aten ops run inside, the ones reading a gradient, and the host syncs."""
-
-    def __init__(self, grads: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.grads = {g.untyped_storage().data_ptr() for g in grads}
-        self.ops: Counter[str] = Counter()
-        self.grad_reads: Counter[str] = Counter()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        name = func.overloadpacket.__name__
-        self.ops[name] += 1
-        if name in SYNC_OPS:
-            self.syncs += 1
-        leaves, _ = tree_flatten((args, kwargs or {}))
-        if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.grads
-               for t in leaves):
-            self.grad_reads[name] += 1
-        return func(*args, **(kwargs or {}))
-
-    @contextmanager
-    def counting_host_copies(self) -> Iterator[None]:
-        originals = {m: getattr(torch.Tensor, m) for m in SYNC_METHODS}
-
-        def counted(method: Callable[..., Any]) -> Callable[..., Any]:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                self.syncs += 1
-                return method(*args, **kwargs)
-            return call
-
-        try:
-            for m, f in originals.items():
-                setattr(torch.Tensor, m, counted(f))
-            yield
-        finally:
-            for m, f in originals.items():
-                setattr(torch.Tensor, m, f)
-
-
-@contextmanager
-def counted(grads: list[torch.Tensor]) -> Iterator[OpCount]:
-    mode = OpCount(grads)
-    with mode, mode.counting_host_copies():
-        yield mode
 
 
 def _grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -85,7 +31,7 @@ def _grads(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _summary(counts: list[OpCount]) -> dict[str, Any]:
     return {"ops": sum(sum(c.ops.values()) for c in counts),
-            "grad_reads": sum(sum(c.grad_reads.values()) for c in counts),
+            "grad_reads": sum(sum(c.reads.values()) for c in counts),
             "syncs": sum(c.syncs for c in counts),
             "by_op": dict(sum((c.ops for c in counts), Counter()))}
 
@@ -205,7 +151,7 @@ def _one_fused_call_per_group() -> None:
     scaler.scale(loss).backward()
     with counted(_grads(opt)) as got:
         scaler.before_step(opt)
-    assert got.grad_reads == want.grad_reads == {
+    assert got.reads == want.reads == {
         "_amp_foreach_non_finite_check_and_unscale_": 2}
     assert got.syncs == want.syncs == 1
     assert sum(got.ops.values()) <= sum(want.ops.values())
@@ -269,4 +215,4 @@ def test_the_counts_catch_the_former_two_pass_form() -> None:
         torch._foreach_mul_(grads, 2.0**-16)
         norms = torch._foreach_norm(grads, float("inf"))
         bool(not all(torch.isfinite(n).item() for n in norms))
-    assert sum(old.grad_reads.values()) == 2 and old.syncs == len(grads) == 2
+    assert sum(old.reads.values()) == 2 and old.syncs == len(grads) == 2

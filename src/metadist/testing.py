@@ -13,7 +13,9 @@ import gc
 import ipaddress
 import os
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -128,6 +130,64 @@ def peak_bytes_of(fn: Callable[[], Any]) -> tuple[Any, int]:
     with _StorageTracker() as tracker:
         out = fn()
     return out, tracker.peak
+
+
+#: aten ops that make the host wait for the device's result (``.item()``, ``bool(t)``, ...)
+HOST_SYNC_OPS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
+#: Tensor methods that copy to the host without a dispatched op when the tensor is on the CPU
+_HOST_COPY_METHODS = ("tolist", "numpy", "cpu")
+
+
+class OpCount(TorchDispatchMode):
+    """The aten ops run inside (each a kernel launch on a GPU), the host syncs among them and
+    the ops that read one of ``watched`` (e.g. the gradients: how many passes a step makes
+    over them). Counted on the CPU, these are what a fast GPU pays for, independent of load."""
+
+    def __init__(self, watched: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self.watched = {t.untyped_storage().data_ptr() for t in watched}
+        self.ops: Counter[str] = Counter()
+        self.reads: Counter[str] = Counter()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        self.syncs += name in HOST_SYNC_OPS
+        if self.watched and any(isinstance(t, torch.Tensor) and t.device.type != "meta"
+                                and t.untyped_storage().data_ptr() in self.watched
+                                for t in tree_leaves((args, kwargs))):
+            self.reads[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+@contextmanager
+def count_ops(watched: Iterable[torch.Tensor] = ()) -> Iterator[OpCount]:
+    """Count the aten ops and host syncs run inside the block (:class:`OpCount`).
+    ``.tolist()``/``.numpy()``/``.cpu()`` count as syncs too: on a CPU tensor they dispatch
+    nothing, on a GPU they wait for it."""
+    mode = OpCount(watched)
+    originals = {m: getattr(torch.Tensor, m) for m in _HOST_COPY_METHODS}
+
+    def counted(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            mode.syncs += 1
+            return method(*args, **kwargs)
+        return call
+
+    try:
+        for m, f in originals.items():
+            setattr(torch.Tensor, m, counted(f))
+        with mode:
+            yield mode
+    finally:
+        for m, f in originals.items():
+            setattr(torch.Tensor, m, f)
 
 
 def gather_from_ranks(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -363,7 +363,9 @@ class FlatParam:
         factor = scale * self.total
         if factor != 1.0:
             g.mul_(factor)
-        out = g.new_empty(self.shard_size)
+        # a world of one reduces in place: the fresh buffer is the shard's gradient already
+        alone = self.total == 1 and g.numel() == self.shard_size
+        out = g if alone else g.new_empty(self.shard_size)
         handle = ops.reduce_scatter(out, g, "sum", group=self.group, async_op=True,
                                     input_is_scratch=True)
         if accumulating:
@@ -371,7 +373,11 @@ class FlatParam:
             self.coordinator.defer(self, out, handle, reach)
             return None
         self.finish(out, handle)
-        return out.mul_(1.0 / self.total).to(self.shard.device, self.shard.dtype)
+        return self._mean(out).to(self.shard.device, self.shard.dtype)
+
+    def _mean(self, summed: torch.Tensor) -> torch.Tensor:
+        """``summed / total`` in place; nothing at a total of one (x * 1.0 is x)."""
+        return summed if self.total == 1 else summed.mul_(1.0 / self.total)
 
     def finish(self, out: torch.Tensor, handle: Handle) -> None:
         """Complete a reduce-scatter (and the sum across replicas, for hsdp)."""
@@ -388,7 +394,7 @@ class FlatParam:
         value = reduced.to(self.shard.device, self.shard.dtype,
                            non_blocking=self.shard.device.type != "cpu")
         if self.shard.grad is None:
-            self.shard.grad = value.mul_(1.0 / self.total)
+            self.shard.grad = self._mean(value)
         else:
             self.shard.grad.add_(value, alpha=1.0 / self.total)
 

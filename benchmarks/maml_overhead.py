@@ -147,8 +147,9 @@ def main() -> None:
             rows = [[name, f"{ms:.2f}", f"{ms / base:.3f}", r["counts"][name]["ops"],
                      r["counts"][name]["host_reads"], f"{r['loss_diff'][name]:.1e}"]
                     for name, ms in r["ms"].items()]
-            results.table(["", "ms/step", "vs plain", f"aten ops/step (plain {plain['ops']})",
-                           "host reads/step", "max |loss - plain's|"], rows, key=size)
+            results.table(["configuration", "ms / step", "time ratio / plain torch",
+                           f"aten ops / step (plain {plain['ops']})", "host syncs / step",
+                           "max |loss - plain's|"], rows, key=size)
             results.data[size] = r
 
 

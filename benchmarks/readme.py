@@ -327,6 +327,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "compiled": _simple("compiled"),
     "mapreduce": _simple("mapreduce"),
     "sharded_meta": _simple("sharded_meta", notes=True),
+    "maml_overhead": _simple("maml_overhead"),
     "comm": _simple("comm", notes=True),
 }
 

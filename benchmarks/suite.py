@@ -33,7 +33,7 @@ from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
-              "compiled", "sharded_meta")
+              "compiled", "sharded_meta", "maml_overhead")
 
 
 class SuiteError(Exception):
@@ -53,7 +53,7 @@ class Spec:
 
 
 #: The benchmarks that take --device: on a GPU under auto/cuda (the rest stay on the CPU).
-ON_DEVICE = ("ddp", "zero", "precision", "meta", "real_models")
+ON_DEVICE = ("ddp", "zero", "precision", "meta", "real_models", "maml_overhead")
 
 
 def spec(name: str) -> Spec:
@@ -79,6 +79,8 @@ def spec(name: str) -> Spec:
         case "deferred_init":  # its own world sizes (2 and 4): the peak against model/world
             return Spec(name, module, world=False)
         case "sharded_meta":  # its own world sizes (1, 2 and 4, hsdp 2 x 2)
+            return Spec(name, module, world=False)
+        case "maml_overhead":  # world 1: what the strategies' code adds, no collective
             return Spec(name, module, world=False)
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")
 

@@ -193,13 +193,15 @@ def test_activation_checkpointing_on_cuda_trains_alike_and_keeps_less(
 
 # Second-order MAML against plain torch on the same GPU. Issue 29, item 3: on one H200 a
 # 2M-parameter MLP under zero3 ended 1.2e-3 relative from plain torch after 25 meta-steps,
-# ddp bit-equal. ddp at world 1 computes with the module's own parameters and the kernels
-# plain torch runs, so it must be bit-equal here too. zero3's parameters are views into a
-# flat buffer; cuBLAS may pick another kernel for another alignment, about an ulp per
-# product, so zero3 gets the suite's tolerances (rtol 1.3e-6, atol 1e-5): this net's weights
-# are O(0.1-1) and Adam moves them 1e-3 a step, so a drift of the issue's size (~1e-3
-# relative) fails while ulp-level differences pass. The measured difference is printed
-# (pytest -s) and is in the failure message.
+# ddp bit-equal. Found on the CPU: zero3's full_parameters() gave each task fresh views of
+# its gathered copy, so each parameter's gradients added up per task first, then across
+# tasks, a rounding one process does not make (1.5e-8 after 10 meta-steps on this net), and
+# Adam turns such differences in near-zero gradients into lr-sized steps. The views are now
+# one set per copy and zero3 is bit-equal on the CPU (tests/test_gpu_bodies_on_cpu.py).
+# On a GPU, cuBLAS may still pick another kernel for a view at another alignment than a
+# parameter of its own, about an ulp per product: zero3 gets the suite's tolerances (rtol
+# 1.3e-6, atol 1e-5; a drift of the issue's size fails), ddp must be bit-equal. The measured
+# difference is printed (pytest -s) and is in the failure message.
 MAML_CASES = [("ddp", {}), ("zero3", SHARDED)]
 
 

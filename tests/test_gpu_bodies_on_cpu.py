@@ -51,12 +51,14 @@ def test_checkpointing_body_trains_alike_and_keeps_less() -> None:
 
 @pytest.mark.parametrize(("strategy", "options"), [("ddp", {}), ("zero3", SHARDED)])
 def test_maml_body_against_plain_torch(strategy: str, options: dict[str, Any]) -> None:
-    """test_gpu.py asks ddp for bit equality with plain torch at world 1: on the CPU too."""
+    """Bit-equal to plain torch at world 1 on the CPU, zero3 too: its full_parameters() hands
+    every task of a meta-batch the same views, so each parameter's gradients add up in one
+    process's order (fresh views per task summed per task first: 1.5e-8 off after 10
+    meta-steps). test_gpu.py asks this of ddp on a GPU."""
     got = run_on_ranks(bodies.maml, 1, args=("cpu", strategy, options))[0]
-    if strategy == "ddp":
-        for name, want in got["plain"].items():
-            assert torch.equal(got["strategy"][name], want), name
-    assert_tensors_close(got["strategy"], got["plain"], f"MAML {strategy}")
+    for name, want in got["plain"].items():
+        assert torch.equal(got["strategy"][name], want), (
+            f"MAML {strategy} {name}: {(got['strategy'][name] - want).abs().max():.3g} off")
 
 
 def test_maml_body_on_two_ranks_against_one_process() -> None:

@@ -154,6 +154,8 @@ class FlatParam:
         # reference: whether a call gathers must not depend on when the garbage collector
         # ran on each rank.
         self._owned_copy: tuple[int, torch.Tensor] | None = None
+        # the parameter views of that copy, one node for every graph built on them
+        self._owned_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._stash: torch.Tensor | None = None  # unsharded gradients under no_sync
         self._sync_grads = True
         # Per slot, whether a gradient reached it: seen by the views' backward (pending),
@@ -194,7 +196,7 @@ class FlatParam:
     def after_step(self) -> None:
         """The shard changed: every claim on the gathered buffer and the owned copy is void
         (graphs recorded before the step are not backpropagated again); free it."""
-        self._live, self._pinned, self._owned_copy = 0, False, None
+        self._live, self._pinned, self._owned_copy, self._owned_views = 0, False, None, None
         self._pending_reach = None
         self.release()
 
@@ -286,6 +288,17 @@ class FlatParam:
                              else self._gather_copy())
         self._owned_copy = (self.shard._version, out)
         return out
+
+    def owned_views(self) -> list[torch.Tensor]:
+        """Parameter views of :meth:`owned`, the same tensors for every call that gets the
+        same copy, as a module hands out the same parameters: gradients of several uses
+        (one per task of a meta-batch) then add up per parameter in the order they would in
+        one process; views taken afresh per call would add per call first, then across the
+        calls, a different rounding."""
+        full = self.owned()
+        if self._owned_views is None or self._owned_views[0] is not full:
+            self._owned_views = (full, self.views(full))
+        return list(self._owned_views[1])
 
     def _gather_copy(self) -> torch.Tensor:
         """A fresh tensor holding the full buffer: copied if it is gathered (or on its

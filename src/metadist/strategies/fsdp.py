@@ -198,8 +198,9 @@ class ShardedModule(DistributedModule):
         out: dict[str, torch.Tensor] = {}
         for flat in self.flats:
             if flat.shard.requires_grad:
-                full = flat.owned()  # no hook re-gathers for these graphs: they own a copy
-                out.update((s.fqn, v) for s, v in zip(flat.slots, flat.views(full), strict=True))
+                # no hook re-gathers for these graphs: they own a copy
+                out.update((s.fqn, v) for s, v in zip(flat.slots, flat.owned_views(),
+                                                      strict=True))
         return out
 
     def plain_module(self) -> nn.Module:

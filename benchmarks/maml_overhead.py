@@ -26,9 +26,9 @@ from torch import Tensor, nn
 import metadist
 from benchmarks import device
 from benchmarks.common import Results, alternate, output_args, parse
+from benchmarks.meta import INNER_STEPS, maml_loss  # the meta benchmark's MAML step
 from metadist.testing import count_ops
 
-INNER_STEPS, INNER_LR = 5, 0.01
 STRATEGIES = ("single", "ddp", "zero3")
 #: size: (input, hidden, tasks); on a GPU the realistic size is issue 29's
 SIZES = {"tiny": (1, 40, 4), "realistic": (64, 256, 8)}
@@ -45,19 +45,6 @@ def tasks(inputs: int, count: int, where: torch.device) -> list[tuple[Tensor, ..
     g = torch.Generator().manual_seed(1)
     return [tuple(torch.randn(10, inputs if i % 2 == 0 else 1, generator=g).to(where)
                   for i in range(4)) for _ in range(count)]
-
-
-def maml_loss(forward: Callable[[dict[str, Tensor], Tensor], Tensor],
-              params: dict[str, Tensor], data: list[tuple[Tensor, ...]]) -> Tensor:
-    total = torch.zeros((), device=data[0][0].device)
-    for xs, ys, xq, yq in data:
-        fast = params
-        for _ in range(INNER_STEPS):
-            loss = nn.functional.mse_loss(forward(fast, xs), ys)
-            grads = torch.autograd.grad(loss, list(fast.values()), create_graph=True)
-            fast = {n: p - INNER_LR * g for (n, p), g in zip(fast.items(), grads, strict=True)}
-        total = total + nn.functional.mse_loss(forward(fast, xq), yq)
-    return total / len(data)
 
 
 def meta_steps(inputs: int, hidden: int, count: int,

@@ -71,7 +71,7 @@ def _sine_net() -> nn.Module:
                          nn.Linear(40, 1))
 
 
-def _maml_loss(forward: Callable[[dict[str, Tensor], Tensor], Tensor],
+def maml_loss(forward: Callable[[dict[str, Tensor], Tensor], Tensor],
                params: dict[str, Tensor], tasks: list[tuple[Tensor, ...]]) -> Tensor:
     total = torch.zeros((), device=tasks[0][0].device)
     for xs, ys, xq, yq in tasks:
@@ -99,7 +99,7 @@ class _MAML(Problem):
     def training_step(self, batch: Any) -> Tensor:
         dev = device.here()
         tasks = [tuple(t.to(dev) for t in task) for task in zip(*batch, strict=True)]
-        return _maml_loss(self.functional_forward, self.parameters_dict(), tasks)
+        return maml_loss(self.functional_forward, self.parameters_dict(), tasks)
 
 
 def _maml_body(steps: int, warmup: int) -> dict[str, float]:
@@ -113,7 +113,7 @@ def _maml_body(steps: int, warmup: int) -> dict[str, float]:
 
     def bound() -> None:
         plain_opt.zero_grad()
-        _maml_loss(lambda p, x: torch.func.functional_call(plain, p, (x,)),
+        maml_loss(lambda p, x: torch.func.functional_call(plain, p, (x,)),
                    dict(plain.named_parameters()), mine).backward()
         plain_opt.step()
 
@@ -123,7 +123,7 @@ def _maml_body(steps: int, warmup: int) -> dict[str, float]:
 
     def loop() -> None:
         opt.zero_grad()
-        strategy.backward(_maml_loss(model.functional_forward, model.full_parameters(), mine))
+        strategy.backward(maml_loss(model.functional_forward, model.full_parameters(), mine))
         opt.step()
 
     everyone = [t for r in range(w.world_size) for t in _tasks(r)]  # rank r reads slice r

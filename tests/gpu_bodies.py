@@ -16,6 +16,7 @@ from torch.func import functional_call
 
 import metadist
 from meta import INNER_LR, INNER_STEPS, META_STEPS, sinusoid_net, sinusoid_tasks
+from metadist.testing import bytes_kept_by
 from parity import loss_fn, make_net, make_optimizer, snapshot, train_on_rank
 
 
@@ -36,20 +37,6 @@ def cpu(tree: Any) -> Any:
     if isinstance(tree, list | tuple):
         return type(tree)(cpu(v) for v in tree)
     return tree.detach().cpu() if torch.is_tensor(tree) else tree
-
-
-def kept(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """``(fn(), bytes fn left allocated)``: the CUDA allocator's count on a GPU, storages on
-    the CPU."""
-    from metadist.testing import bytes_kept_by
-
-    if metadist.world().device.type != "cuda":
-        return bytes_kept_by(fn)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.memory_allocated() - before
 
 
 def parity(kind: str, strategy: str, options: dict[str, Any],
@@ -150,7 +137,8 @@ def checkpointing(kind: str, strategy: str, options: dict[str, Any]) -> dict[str
             fast = {n: p - 0.1 * gr for (n, p), gr in zip(params.items(), grads, strict=True)}
             s.backward(((model.functional_forward(fast, x) - y) ** 2).mean())
             opt.step()
-        loss, held = kept(lambda model=model: model(data[0][0]).square().mean())
+        # storages counted as the forward allocates them, on either device
+        loss, held = bytes_kept_by(lambda model=model: model(data[0][0]).square().mean())
         s.backward(loss)
         out[label] = {"state": cpu(dict(model.state_dict())), "held": held}
     return out

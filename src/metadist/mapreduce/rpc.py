@@ -40,7 +40,7 @@ from torch import nn
 
 from metadist.comm import ops
 from metadist.errors import MetadistError
-from metadist.mapreduce import rpc_liveness, trees
+from metadist.mapreduce import rpc_liveness, rpc_shared, trees
 from metadist.mapreduce.functions import inner_function
 from metadist.mapreduce.modules import copy_module
 from metadist.mapreduce.partitioners import Part
@@ -226,7 +226,9 @@ def _invoke(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 def execute(func: Callable[..., Any], parts: list[Part],
             reducer: Callable[[list[Any]], Any] | None,
             timeout: float | None) -> torch.futures.Future[Any]:
-    """Send each part to its worker; a future of the results in part order (or reduced)."""
+    """Send each part to its worker; a future of the results in part order (or reduced).
+    Gradients of what several parts share come back summed in part order (rpc_shared)."""
+    parts = rpc_shared.in_call_order(parts)
     futures = []
     for part in parts:
         try:

@@ -22,7 +22,7 @@ STRATEGY_OWN_MODULES = {
     "metadist.strategies.backward_holds", "metadist.strategies.backward_coordinator",
     "metadist.strategies.hsdp", "metadist.strategies.ddp", "metadist.strategies.dp",
     "metadist.strategies.single", "metadist.strategies.buckets",
-    "metadist.strategies.unreached",
+    "metadist.strategies.unreached", "metadist.strategies.flat_layout",
 }
 STRATEGY_OWN_NAMES = {"ShardedModule", "OwnerLayout", "FlatLayout", "FlatParam", "Unit",
                       "Zero3Strategy", "HSDPStrategy", "DDPStrategy"}

@@ -52,11 +52,11 @@ from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.deferred import DeferredSetup, broadcast_state
 from metadist.strategies.fast_weights import FastWeights
 from metadist.strategies.flat import (
-    FlatLayout,
     FlatParam,
     Slot,
     reduced_shard_grads,
 )
+from metadist.strategies.flat_layout import FlatLayout
 from metadist.strategies.foreign_runs import (
     Origin,
     Placeholder,

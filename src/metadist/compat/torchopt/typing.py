@@ -74,7 +74,8 @@ class Samplable(Protocol):
 
     @abc.abstractmethod
     def sample(self, sample_shape: Size = Size()) -> Tensor | Sequence[Numeric]:  # noqa: B008
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define "
+                                  "sample(sample_shape)")
 
 
 Samplable.register(Distribution)

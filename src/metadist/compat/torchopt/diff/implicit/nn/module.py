@@ -151,13 +151,16 @@ class ImplicitMetaGradientModule(MetaGradientModule, metaclass=abc.ABCMeta):
         """Solve the inner problem: update the parameters (not the meta-parameters; pass
         ``inputs=`` to ``backward`` or use ``torch.autograd.grad``). Runs with gradients
         disabled, as in TorchOpt: enable them for a gradient-based inner loop."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define solve(), which fits "
+                                  "its parameters to the inner problem")
 
     def optimality(self, *input: Any, **kwargs: Any) -> Tensors:
         """The residual that is zero at the solution, one tensor per parameter (e.g. the
         objective's gradient); derived from :meth:`objective` if not defined."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} defines neither optimality() nor "
+                                  "objective(); define one of them")
 
     def objective(self, *input: Any, **kwargs: Any) -> torch.Tensor:
         """The inner objective (a scalar), for the derived :meth:`optimality`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} defines optimality() but not "
+                                  "objective(); define objective() to call it")

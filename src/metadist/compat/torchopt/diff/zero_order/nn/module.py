@@ -61,10 +61,12 @@ class ZeroOrderGradientModule(nn.Module, Samplable):
     @abc.abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The forward pass: a scalar."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define forward(), returning "
+                                  "the scalar whose gradient is estimated")
 
     @abc.abstractmethod
     def sample(self, sample_shape: torch.Size = torch.Size()  # noqa: B008
                ) -> torch.Tensor | Sequence[Numeric]:
         """A ``sample_shape`` batch of perturbations."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must define sample(sample_shape), "
+                                  "returning a batch of perturbations")

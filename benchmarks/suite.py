@@ -33,7 +33,7 @@ from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
-              "compiled", "sharded_meta", "maml_overhead")
+              "compiled", "sharded_meta", "maml_overhead", "gpu_step")
 
 
 class SuiteError(Exception):
@@ -53,7 +53,7 @@ class Spec:
 
 
 #: The benchmarks that take --device: on a GPU under auto/cuda (the rest stay on the CPU).
-ON_DEVICE = ("ddp", "zero", "precision", "meta", "real_models", "maml_overhead")
+ON_DEVICE = ("ddp", "zero", "precision", "meta", "real_models", "maml_overhead", "gpu_step")
 
 
 def spec(name: str) -> Spec:
@@ -81,6 +81,8 @@ def spec(name: str) -> Spec:
         case "sharded_meta":  # its own world sizes (1, 2 and 4, hsdp 2 x 2)
             return Spec(name, module, world=False)
         case "maml_overhead":  # world 1: what the strategies' code adds, no collective
+            return Spec(name, module, world=False)
+        case "gpu_step":  # world 1, a process per case; the issue's size on cuda, tiny on CPUs
             return Spec(name, module, world=False)
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One pass of the GPU checks on a lent CUDA machine, from the repository root:
+#
+#     OUT=/some/dir bash scripts/device_check.sh
+#
+# Every step is bounded by `timeout` and the next one runs whatever it returned (a device
+# session is too short to rerun for one failure); each logs to $OUT/<step>.log, and
+# $OUT/summary.log gets one stamped line per step with its exit status (124: timed out).
+# The limits add up to 540 s with their kill grace, so the whole pass fits a 600 s command.
+# Needs: torch with CUDA, pytest, pytest-xdist and pytest-timeout; no network (the peer
+# libraries of .peers/ are not needed: the CPU subset of step 5 runs none of their tests).
+
+set -u
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.log"
+: > "$SUMMARY"
+
+# step NAME SECONDS COMMAND...: run COMMAND under `timeout SECONDS` (then SIGKILL 3 s later),
+# its output into $OUT/NAME.log; say when it started and how it ended.
+step() {
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "[$(date -Is)] $name: start (limit ${limit}s): $*" | tee -a "$SUMMARY"
+    (
+        echo "[$(date -Is)] \$ $*"
+        timeout -k 3 "$limit" "$@"
+        rc=$?
+        echo "[$(date -Is)] exit status $rc"
+        exit "$rc"
+    ) > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "[$(date -Is)] $name: exit $rc after $(( $(date +%s) - start ))s" | tee -a "$SUMMARY"
+}
+
+# 1. the package from this tree, the GPU, the torch build (70 s)
+step install 40 python3 -m pip install -q --no-deps --no-build-isolation -e .
+step gpus 10 nvidia-smi -L
+step torch 20 python3 -c "import torch, metadist; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'available', torch.cuda.is_available(), 'gpus', torch.cuda.device_count(), \
+torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'metadist', \
+metadist.__file__)"
+
+# 2. the CUDA tests (115 s)
+step test_gpu 115 python3 -m pytest -q -p no:cacheprovider --timeout 100 -rA tests/test_gpu.py
+
+# 3. the step-time table, each case in its own process (185 s)
+step gpu_step 185 python3 -m benchmarks.gpu_step --device cuda --case-timeout 60 \
+    --json "$OUT/gpu_step.json"
+
+# 4. the suite's pipeline on cuda, tiny sizes (55 s)
+step bench 55 metadist bench --quick --device cuda --only maml_overhead,gpu_step \
+    --timeout 25 --out "$OUT/bench"
+
+# 5. this torch build on the CPU: a subset of the suite that needs no peer library (90 s)
+step cpu_tests 90 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -x -n 12 -p no:cacheprovider \
+    --timeout 80 tests/test_ddp.py tests/test_zero.py tests/test_meta.py \
+    tests/test_fast_weights.py tests/test_checkpoint.py tests/test_precision.py \
+    tests/test_hypergrad.py
+
+echo "[$(date -Is)] done" | tee -a "$SUMMARY"

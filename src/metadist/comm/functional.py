@@ -48,6 +48,12 @@ def _validate(op: str | None, convention: str) -> None:
                          f"{', '.join(CONVENTIONS)}")
 
 
+def _plain_empty(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new buffer of ``like``'s dtype and device, a plain tensor whatever ``like``'s class
+    (a collective's result is whole data, not the tensor subclass it came from)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
 def _contiguous_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.clone(x, memory_format=torch.contiguous_format)
 
@@ -74,7 +80,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: torch.Tensor, group: Group, convention: str) -> torch.Tensor:
         ctx.group, ctx.convention = group, convention  # type: ignore[attr-defined]
         size = ops.group_info(group)[1]
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        out = _plain_empty(x, (size * x.shape[0], *x.shape[1:]))
         ops.all_gather(out, x.contiguous(), group=group)
         return out
 
@@ -89,23 +95,25 @@ class _AllGather(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, op: str, group: Group,
+                scratch: bool = False) -> torch.Tensor:
         ctx.op, ctx.group = op, group  # type: ignore[attr-defined]
         size = ops.group_info(group)[1]
         if x.shape[0] % size:
             raise ValueError(f"reduce_scatter: dim 0 ({x.shape[0]}) must divide by the group "
                              f"size {size}; pad the input")
-        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-        ops.reduce_scatter(out, _contiguous_copy(x), op, group=group,  # type: ignore[arg-type]
+        out = _plain_empty(x, (x.shape[0] // size, *x.shape[1:]))
+        work = x if scratch and x.is_contiguous() else _contiguous_copy(x)
+        ops.reduce_scatter(out, work, op, group=group,  # type: ignore[arg-type]
                            input_is_scratch=True)
         return out
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         full = _AllGather.apply(g, ctx.group, "per_rank")
         if ctx.op == "mean":
             full = full / ops.group_info(ctx.group)[1]
-        return full, None, None
+        return full, None, None, None
 
 
 class _Broadcast(torch.autograd.Function):
@@ -145,10 +153,12 @@ def all_gather(x: torch.Tensor, *, group: Group = None,
 
 
 def reduce_scatter(x: torch.Tensor, op: DifferentiableOp = "sum", *,
-                   group: Group = None) -> torch.Tensor:
-    """Differentiable reduce-scatter along dim 0 (``per_rank`` convention)."""
+                   group: Group = None, input_is_scratch: bool = False) -> torch.Tensor:
+    """Differentiable reduce-scatter along dim 0 (``per_rank`` convention).
+    ``input_is_scratch``: ``x`` is a temporary nothing else reads (its backward saves
+    nothing), so the reduction may work in it instead of a copy."""
     _validate(op, "per_rank")
-    out: torch.Tensor = _ReduceScatter.apply(x, op, group)
+    out: torch.Tensor = _ReduceScatter.apply(x, op, group, input_is_scratch)
     return out
 
 

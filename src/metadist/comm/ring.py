@@ -81,9 +81,11 @@ def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.Process
             send = chunks[(rank - s - 1) % size]
             yield [dist.isend(send, nxt, group=pg, tag=tag),
                    dist.irecv(incoming, prv, group=pg, tag=tag)]
-            chunks[(rank - s - 2) % size].add_(incoming)
-        if output.data_ptr() != chunks[rank].data_ptr():
-            output.copy_(chunks[rank])
+            mine = chunks[(rank - s - 2) % size]  # chunk ``rank`` at the last step
+            if s == size - 2 and output.data_ptr() != mine.data_ptr():
+                torch.add(mine, incoming, out=output)  # the sum lands where it is wanted
+            else:
+                mine.add_(incoming)
 
     return StepHandle(output, steps())
 

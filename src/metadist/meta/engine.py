@@ -247,10 +247,12 @@ class Engine:
         """``p``'s first-order gradient of one micro-batch's ``loss`` (the mean over this
         rank's samples), averaged over ranks by the reducer at the accumulation boundary."""
         assert p.strategy is not None
-        if gas > 1:
+        if gas > 1 or not p.replicated:
             # The reducer weights the accumulated sum by the *last* micro-batch's share;
             # with ragged batches each micro-batch needs its own, so fold it into the loss
-            # and let the reducer average with 1/N.
+            # and let the reducer average with 1/N. Under zero3/hsdp the problem runs on its
+            # shards as fast weights, whose gathers sum the ranks' gradients before any
+            # weight could apply: the share goes into the loss there too.
             loss = weighted(loss, p.batch_share) / gas
             p.strategy.set_batch_weight(1.0, float(p.strategy.world.world_size))
         with nullcontext() if boundary else p.strategy.no_sync(p.wrapped):
@@ -293,16 +295,17 @@ class Engine:
         a method such as ``self.module.loss(...)``, an attribute, ``named_parameters()``,
         ``state_dict()``), it reads the tensors bound here, as Betty's in-place perturbation
         of the real parameters would show them. Under zero3/hsdp a problem on its own
-        parameters is bound to them whole (``full_parameters()``, differentiable into the
-        shards): between its units' forwards the module holds no values to read. Each
-        binding marks only its own module as running on explicit parameters. Blocks nest."""
+        parameters is bound to its shards as fast weights (``fast_weights()``, differentiable
+        into the shards): each unit is gathered as its members run, and a read outside a
+        unit's forward gathers that unit, so no rank holds the whole model. Each binding marks
+        only its own module as running on explicit parameters. Blocks nest."""
         with ExitStack() as stack:
             for name, problem in self.problems.items():
                 params = explicit.get(name, _UNSET)
                 if problem.replicated and (params is None or params is _UNSET):
                     continue  # its own parameters, which its module holds
-                if params is None:
-                    params = problem.wrapped.full_parameters()
+                if params is None:  # zero3/hsdp: its shards as fast weights, differentiable
+                    params = problem.wrapped.fast_weights()
                 elif params is _UNSET:  # zero3/hsdp: detached shard pieces, not whole copies
                     params = problem.inner_params()
                 stack.enter_context(problem.bound(params))  # type: ignore[arg-type]

@@ -153,6 +153,8 @@ class FlatParam:
         # kept with the no_sync stash, and in ``reached`` for the gradient ``shard.grad``
         # holds (reset when that starts afresh). See strategies/unreached.py.
         self._pending_reach: list[bool] | None = None
+        # fast weights (strategies/sharded_fast.py): (graph task, slots its views reached)
+        self._task_reach: tuple[int, list[bool]] | None = None
         self._stash_reach: list[bool] | None = None
         self.reached: list[bool] | None = None
         #: Slots a step skipped whose optimizer state one process would hold otherwise than
@@ -303,16 +305,31 @@ class FlatParam:
             ops.all_gather(out, src, group=self.group)
             return out
 
-    def views(self, full: torch.Tensor) -> list[torch.Tensor]:
+    def views(self, full: torch.Tensor, fast: bool = False) -> list[torch.Tensor]:
         """Parameter-shaped views of ``full``: one node in backward, which records which of
-        them a gradient reached."""
+        them a gradient reached (``fast``: a gather of fast weights, recorded per backward,
+        see :meth:`task_reached`)."""
         if full.requires_grad:
-            return list(_Views.apply(full, self))
+            return list(_Views.apply(full, self, fast))
         return split_views(full, self)
 
-    def note_reached(self, mask: list[bool]) -> None:
+    def note_reached(self, mask: list[bool], fast: bool = False) -> None:
         """A backward through :meth:`views` reached the slots ``mask`` marks."""
-        self._pending_reach = _union(self._pending_reach, mask)
+        if not fast:
+            self._pending_reach = _union(self._pending_reach, mask)
+            return
+        task, known = torch._C._current_graph_task_id(), self._task_reach
+        self._task_reach = (task, mask if known is None or known[0] != task
+                            else _union(known[1], mask))
+
+    def task_reached(self) -> list[bool] | None:
+        """The slots the backward running now reached through views of fast weights so far
+        (a backward on fast weights crosses many gathers before their start, and inner
+        backwards that never reach it note theirs under their own task)."""
+        known = self._task_reach
+        if known is None or known[0] != torch._C._current_graph_task_id():
+            return None
+        return known[1]
 
     def _take_reached(self) -> list[bool] | None:
         mask, self._pending_reach = self._pending_reach, None
@@ -421,21 +438,25 @@ class _Views(torch.autograd.Function):
     others, where one process leaves ``grad=None``."""
 
     @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, flat: FlatParam) -> tuple[torch.Tensor, ...]:
-        ctx.flat = flat
+    def forward(ctx: Any, full: torch.Tensor, flat: FlatParam,
+                fast: bool = False) -> tuple[torch.Tensor, ...]:
+        ctx.flat, ctx.fast = flat, fast
         ctx.set_materialize_grads(False)
         return tuple(split_views(full, flat))
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, *grads: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, None, None]:
         flat: FlatParam = ctx.flat
-        flat.note_reached([g is not None for g in grads])
-        like = next(g for g in grads if g is not None)
+        flat.note_reached([g is not None for g in grads], ctx.fast)
+        like = next((g for g in grads if g is not None), None)
+        if like is None:  # every gradient was taken on the way (shard_gather.py's diversion)
+            return None, None, None
         parts = [g.reshape(-1) if g is not None else like.new_zeros(s.numel)
                  for g, s in zip(grads, flat.slots, strict=True)]
         if flat.padded > flat.numel:
             parts.append(like.new_zeros(flat.padded - flat.numel))
-        return torch.cat(parts), None
+        return torch.cat(parts), None, None
 
 
 class _Unshard(torch.autograd.Function):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -35,29 +34,8 @@ from metadist.comm import functional, ops
 from metadist.strategies.flat import FlatParam
 from metadist.strategies.shard_piece import plain
 
-#: inside ``fast.grad``: the cooperative group's weight of this rank's inner loss (the
-#: gathers' and group sums' backward scale by it); None outside, where they are plain sums
-_INNER: ContextVar[float | None] = ContextVar("metadist_fast_inner", default=None)
 _DIVERTED = "metadist_diverted"  # node metadata: the edges whose gradient a hook diverts
 _SEARCH_DEPTH = 8  # nodes a backward formula builds between its outputs and a saved input
-
-
-@contextmanager
-def inner_weight(weight: float) -> Iterator[None]:
-    """Inside: backward passes form the cooperative group's inner gradient, this rank's
-    inner loss weighted by ``weight``."""
-    token = _INNER.set(weight)
-    try:
-        yield
-    finally:
-        _INNER.reset(token)
-
-
-def weighted(grad: Tensor, flat: FlatParam) -> Tensor:
-    """``grad`` in the reduction dtype, weighted inside ``fast.grad``."""
-    weight = _INNER.get()
-    g = grad.to(flat.reduce_dtype)
-    return g * weight if weight is not None else g
 
 
 def sum_over(g: Tensor, flat: FlatParam, scatter: bool, scratch: bool = False) -> Tensor:
@@ -65,7 +43,7 @@ def sum_over(g: Tensor, flat: FlatParam, scatter: bool, scratch: bool = False) -
     where a graph is being recorded; ``scratch``: the reduction may overwrite ``g``."""
     if torch.is_grad_enabled():
         if scatter:
-            return functional.reduce_scatter(g, "sum", group=flat.group)
+            return functional.reduce_scatter(g, "sum", group=flat.group, input_is_scratch=scratch)
         return functional.all_reduce(g, "sum", group=flat.group)
     if not scatter:
         out = g.clone()
@@ -86,11 +64,12 @@ def real_size(flat: FlatParam) -> int:
 def all_gather(piece: Tensor, flat: FlatParam) -> Tensor:
     """``piece`` (this rank's slice of ``flat``, padding or not) gathered whole, outside
     autograd."""
-    src = plain(piece.detach()).to(flat.device, flat.compute_dtype)
-    if src.numel() < flat.shard_size:
-        src = torch.cat([src, src.new_zeros(flat.shard_size - src.numel())])
     out = torch.empty(flat.padded, dtype=flat.compute_dtype, device=flat.device)
-    ops.all_gather(out, src, group=flat.group)
+    mine = out.narrow(0, flat.rank * flat.shard_size, flat.shard_size)  # written in place:
+    n = piece.numel()                                                     # no copy to send
+    mine[:n].copy_(plain(piece.detach()))
+    mine[n:].zero_()  # the padding
+    ops.all_gather(out, mine, group=flat.group)
     return out
 
 
@@ -98,11 +77,12 @@ class Gathered:
     """One gather of a piece: what its saved views refer to, and the second-order gradient
     diverted to it (this rank's shard of it) until its backward takes it."""
 
-    __slots__ = ("aside", "flat", "node", "piece", "used", "version")
+    __slots__ = ("aside", "flat", "node", "noting", "piece", "used", "version")
 
     def __init__(self, piece: Tensor, flat: FlatParam, full: Tensor) -> None:
         self.piece, self.flat = piece, flat
         self.node = full.grad_fn  # the gather's backward (None without a graph)
+        self.noting = False  # its views note what each backward reached (see split)
         self.version = full._version  # a later in-place change makes saved views unsafe
         self.aside: Tensor | None = None
         # The sequence numbers of the nodes the forward built while the unit ran: those
@@ -110,6 +90,12 @@ class Gathered:
         # reaches this gather's backward in its turn, and would only cost a reduce-scatter).
         start = torch._C._autograd._get_sequence_nr()
         self.used = (start, start)
+
+    def split(self, full: Tensor) -> list[Tensor]:
+        """The parameter views of ``full`` (this gather's buffer), through a node that
+        notes which parameters each backward reached (FlatParam.task_reached)."""
+        self.noting = full.requires_grad
+        return self.flat.views(full, fast=True)
 
     def unit_left(self) -> None:
         """The unit's members have run: the forward's own consumers are all built."""
@@ -120,11 +106,21 @@ class Gathered:
 
     def divert(self, grad: Tensor, view: _Packed) -> None:
         """Scatter the gradient of a saved view of this buffer into this rank's shard."""
-        full = torch.zeros(self.flat.padded, dtype=self.flat.reduce_dtype,
-                           device=self.flat.device)
-        full.as_strided(view.size, view.stride, view.offset).add_(weighted(grad, self.flat))
-        out = sum_over(full, self.flat, scatter=True, scratch=True)
+        flat = self.flat
+        full = torch.empty(flat.padded, dtype=flat.reduce_dtype, device=flat.device)
+        lo, hi = view.span()
+        if hi - lo == grad.numel():  # the view covers its span: write it, zero the rest
+            full[:lo].zero_()
+            full[hi:].zero_()
+            full.as_strided(view.size, view.stride, view.offset).copy_(grad)
+        else:
+            full.zero_()
+            full.as_strided(view.size, view.stride, view.offset).add_(grad)
+        out = sum_over(full, flat, scatter=True, scratch=True)
         self.aside = out if self.aside is None else self.aside.add_(out)
+        if self.noting:  # the gradient reached the view's parameter
+            flat.note_reached([s.offset <= lo < s.offset + s.numel for s in flat.slots],
+                              fast=True)
 
     def take_aside(self) -> Tensor | None:
         aside, self.aside = self.aside, None
@@ -141,6 +137,11 @@ class _Packed:
         self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
         # the view's node in the forward graph: the gradient of the unpacked tensor goes there
         self.node, self.output_nr = view.grad_fn, view.output_nr
+
+    def span(self) -> tuple[int, int]:
+        """The first and one past the last element of the buffer the view reaches."""
+        last = sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
+        return self.offset, self.offset + last + 1
 
     def unpack(self) -> Tensor:
         g = self.gathered

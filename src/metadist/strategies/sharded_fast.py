@@ -12,8 +12,9 @@ A cooperative inner loop's memory stays at O(K P / N) for K inner steps because:
   (strategies/shard_gather.py).
 
 Weights: a gather is the identity on the group's whole tensor, so its backward is a plain
-sum of every rank's gradient, except inside ``fast.grad``, where each rank's inner loss is
-weighted in the group's mean. The strategy's weight of each rank's outer loss (the mean over
+sum of every rank's gradient. ``fast.grad`` weights each rank's inner loss in the group's
+mean once, at the loss (not at every gather: a full-size product per backward). The
+strategy's weight of each rank's outer loss (the mean over
 ranks), hsdp's sum across replica groups and the record of what a gradient reached are
 applied once, where the gradient enters the model's shard (:class:`_Start`).
 """
@@ -38,18 +39,15 @@ from metadist.strategies.flat import (
     FlatParam,
     refuse_shard_grad,
     shard_grads_allowed,
-    split_views,
 )
 from metadist.strategies.foreign_runs import RESOLVERS
 from metadist.strategies.shard_gather import (
     Gathered,
     all_gather,
-    inner_weight,
     real_size,
     register,
     saved_as_shards,
     sum_over,
-    weighted,
 )
 from metadist.strategies.shard_piece import plain
 
@@ -59,10 +57,10 @@ if TYPE_CHECKING:
 # ----- gathering a piece ---------------------------------------------------------------------
 class _FastGather(torch.autograd.Function):
     """A piece of fast weights gathered whole. Backward: the reduce-scatter of every rank's
-    gradient, a plain sum (the gather is the identity on the group's whole tensor) but inside
-    ``fast.grad``, where each rank's inner loss has its weight in the group's mean: a path
-    from an inner loss to its fast weights crosses exactly one gather. Second-order
-    gradients diverted to this gather (strategies/shard_gather.py) are added here."""
+    gradient, a plain sum (the gather is the identity on the group's whole tensor; inside
+    ``fast.grad`` each rank's inner loss already carries its weight in the group's mean).
+    Second-order gradients diverted to this gather (strategies/shard_gather.py) are added
+    here."""
 
     @staticmethod
     def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered]) -> Tensor:
@@ -72,15 +70,17 @@ class _FastGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         flat: FlatParam = ctx.flat
-        g = weighted(grad, flat)
-        # a fresh buffer (the weighted copy, or the split's concatenated gradient autograd
-        # hands over) may be overwritten by the reduction; a view or an expanded zero not
+        g = grad.to(flat.reduce_dtype)
+        # a fresh buffer (a cast, or the split's concatenated gradient autograd hands over)
+        # may be overwritten by the reduction; a view or an expanded zero not
         scratch = g is not grad or (g.is_contiguous() and not g._is_view())
         out = sum_over(g, flat, scatter=True, scratch=scratch)
-        aside = ctx.gathered[0].take_aside()
+        aside = ctx.gathered[0].take_aside()  # only plain backwards divert
         if aside is not None:
-            out = out + aside
-        return out[:ctx.length].to(flat.shard.device, flat.shard.dtype), None, None
+            out = out + aside if torch.is_grad_enabled() else out.add_(aside)
+        if ctx.length < out.numel():  # the padding's gradient goes nowhere
+            out = out[:ctx.length]
+        return out.to(flat.shard.device, flat.shard.dtype), None, None
 
 
 class _Start(torch.autograd.Function):
@@ -106,7 +106,10 @@ class _Start(torch.autograd.Function):
             g = torch.cat([g, g.new_zeros(flat.shard_size - g.numel())])
         g = _sum_replicas(g, flat)
         if accumulating:
-            flat.gradient_added(None)  # the first fast weights use every element
+            # the parameters this backward reached: through the gathers' views (each notes
+            # its own) or a sum over every piece (fast.dot, fast.norm); an element-wise path
+            # (fast - lr * g) carries what reached later fast weights
+            flat.gradient_added(flat.task_reached() or [True] * len(flat.slots))
         return g, None
 
 
@@ -168,8 +171,9 @@ class FastForward:
         views = self._whole.get(flat)
         if views is None:
             piece = self.pieces.get(flat, flat.shard)
-            full, _ = gather(piece if flat.shard.requires_grad else flat.shard.detach(), flat)
-            views = self._whole[flat] = split_views(full, flat)
+            full, gathered = gather(piece if flat.shard.requires_grad
+                                    else flat.shard.detach(), flat)
+            views = self._whole[flat] = gathered.split(full)
         return views[index]
 
     def enter(self, unit: Unit) -> None:
@@ -204,7 +208,7 @@ class FastForward:
             full, gathered = gather(piece if flat.shard.requires_grad
                                     else flat.shard.detach(), flat)
             made.append(gathered)
-            for slot, view in zip(flat.slots, split_views(full, flat), strict=True):
+            for slot, view in zip(flat.slots, gathered.split(full), strict=True):
                 placed += [(place_of(module, attr), view) for module, attr in slot.uses]
         return write(placed), made
 
@@ -273,18 +277,21 @@ RESOLVERS.append(_resolve)
 
 # ----- the layout ----------------------------------------------------------------------------
 class _GroupSum(torch.autograd.Function):
-    """A sum over the shard group. Backward: the sum of every rank's gradient, weighted
-    inside ``fast.grad`` as the gathers' backward is."""
+    """A sum over the shard group of a value summed over every piece. Backward: the sum of
+    every rank's gradient, which reaches every parameter of ``flats``."""
 
     @staticmethod
-    def forward(ctx: Any, value: Tensor, flat: FlatParam) -> Tensor:
-        ctx.flat = flat
-        return sum_over(value.detach(), flat, scatter=False)
+    def forward(ctx: Any, value: Tensor, flats: tuple[FlatParam, ...]) -> Tensor:
+        ctx.flats = flats
+        return sum_over(value.detach(), flats[0], scatter=False)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        flat: FlatParam = ctx.flat
-        return sum_over(weighted(grad, flat), flat, scatter=False).to(grad.dtype), None
+        flats: tuple[FlatParam, ...] = ctx.flats
+        for flat in flats:
+            flat.note_reached([True] * len(flat.slots), fast=True)
+        g = sum_over(grad.to(flats[0].reduce_dtype), flats[0], scatter=False)
+        return g.to(grad.dtype), None
 
 
 class ShardedLayout:
@@ -318,15 +325,17 @@ class ShardedLayout:
         return dict(zip(self.flats, pieces, strict=True))
 
     def reduce_sum(self, value: Tensor) -> Tensor:
-        out: Tensor = _GroupSum.apply(plain(value), self.flats[0])
+        out: Tensor = _GroupSum.apply(plain(value), tuple(self.flats))
         return out
 
     def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
               share: float | None) -> tuple[Tensor, ...]:
         check_even_weights(self.flats[0].scale())
         weight = share if share is not None else 1.0 / self.group_size()
-        with inner_weight(weight), saved_as_shards():
-            out = torch.autograd.grad(loss, list(pieces), create_graph=create_graph,
+        # the rank's weight in the group's mean, at the loss: every backward below it
+        # (gathers, group sums) is then a plain sum over the group
+        with saved_as_shards():
+            out = torch.autograd.grad(loss * weight, list(pieces), create_graph=create_graph,
                                       allow_unused=True, materialize_grads=True)
         return tuple(out)
 
@@ -354,6 +363,7 @@ class ShardedLayout:
     def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for flat, piece in zip(self.flats, pieces, strict=True):
-            views = split_views(gather(piece, flat)[0], flat)  # differentiable
+            full, gathered = gather(piece, flat)
+            views = gathered.split(full)  # differentiable
             out.update((s.fqn, v) for s, v in zip(flat.slots, views, strict=True))
         return out

@@ -229,13 +229,13 @@ def compiled(kind: str, strategy: str, options: dict[str, Any]) -> dict[str, Any
         counters.clear()
         net = _blocks().to(dev)
         opt: torch.optim.Optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        model: nn.Module = net
+        wrapped: nn.Module = net
         backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
         if label == "strategy":
             s = metadist.strategy(strategy, **options)
-            model, opt = s.setup(net, opt)
+            wrapped, opt = s.setup(net, opt)
             backward = s.backward
-        model = torch.compile(model, backend="inductor")
+        model = torch.compile(wrapped, backend="inductor")  # its state_dict has _orig_mod.
         graphs = []
         for x, y in data:
             opt.zero_grad()
@@ -243,7 +243,7 @@ def compiled(kind: str, strategy: str, options: dict[str, Any]) -> dict[str, Any
             opt.step()
             graphs.append(counters["stats"]["unique_graphs"])
         out[label] = {"params": cpu(dict(net.named_parameters()) if label == "plain"
-                                    else dict(model.state_dict())),
+                                    else dict(wrapped.state_dict())),
                       "breaks": sum(counters["graph_break"].values()), "graphs": graphs}
     return out
 

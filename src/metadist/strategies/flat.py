@@ -319,8 +319,9 @@ class FlatParam:
             self._pending_reach = _union(self._pending_reach, mask)
             return
         task, known = torch._C._current_graph_task_id(), self._task_reach
-        self._task_reach = (task, mask if known is None or known[0] != task
-                            else _union(known[1], mask))
+        if known is not None and known[0] == task:
+            mask = [a or b for a, b in zip(known[1], mask, strict=True)]
+        self._task_reach = (task, mask)
 
     def task_reached(self) -> list[bool] | None:
         """The slots the backward running now reached through views of fast weights so far

@@ -140,8 +140,8 @@ class _Packed:
 
     def span(self) -> tuple[int, int]:
         """The first and one past the last element of the buffer the view reaches."""
-        last = sum((n - 1) * st for n, st in zip(self.size, self.stride, strict=True))
-        return self.offset, self.offset + last + 1
+        last = sum((int(n) - 1) * int(st) for n, st in zip(self.size, self.stride, strict=True))
+        return int(self.offset), int(self.offset) + last + 1
 
     def unpack(self) -> Tensor:
         g = self.gathered

@@ -295,3 +295,55 @@ def _empty_rows() -> tuple[list[int], list[int]]:
 
 def test_empty_tensors_pass_through_the_gloo_algorithms() -> None:
     assert run_on_ranks(_empty_rows, 2) == [([0], [0]), ([0], [0])]
+
+
+def _parts_reduce_scatter() -> tuple[bool, bool, bool, int]:
+    """A reduce-scatter of parts equals the one of their concatenation bit for bit (the ring
+    adds in the same order), leaves the parts alone, and its differentiable form hands each
+    part its slice of the gathered gradient."""
+    from metadist.comm import functional, ring
+
+    r, n = metadist.world().rank, metadist.world().world_size
+    g = torch.Generator().manual_seed(10 + r)
+    rings = [0]
+    original = ring.reduce_scatter_parts
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        rings[0] += 1
+        return original(*args, **kwargs)
+
+    ring.reduce_scatter_parts = counted  # type: ignore[assignment]
+    equal, untouched = True, True
+    try:
+        for m in ((1 << 20) // 4 // n + 7, 5):  # the ring (odd chunks), then the small path
+            total = n * m
+            # boundaries inside chunks, a one-element part, a part spanning several chunks
+            sizes = [3, 1, m - 2]
+            rest = total - sum(sizes)
+            sizes += [rest - 5, 4, 1] if rest > 5 else [rest]
+            parts = [torch.randn(s, generator=g) for s in sizes]
+            keep = [p.clone() for p in parts]
+            out, ref = torch.empty(m), torch.empty(m)
+            comm.reduce_scatter(ref, torch.cat(parts), "sum")
+            comm.ops.reduce_scatter_parts(out, parts, "sum")
+            equal = equal and torch.equal(out, ref)
+            untouched = untouched and all(torch.equal(a, b) for a, b in zip(parts, keep,
+                                                                            strict=True))
+    finally:
+        ring.reduce_scatter_parts = original  # type: ignore[assignment]
+    leaves = [torch.randn(s, generator=g, requires_grad=True) for s in (7, 5 * n - 7, n)]
+    out = functional.reduce_scatter_parts([leaf * 1.0 for leaf in leaves])
+    w = torch.arange(float(out.numel())) + r
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    every = torch.empty(n * out.numel())
+    comm.all_gather(every, w)
+    slices = every.split([leaf.numel() for leaf in leaves])
+    return equal, untouched, all(torch.equal(a, b) for a, b in zip(grads, slices,
+                                                                    strict=True)), rings[0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_reduce_scatter_of_parts_equals_the_concatenations(n: int) -> None:
+    for equal, untouched, grads, rings in run_on_ranks(_parts_reduce_scatter, n):
+        assert equal and untouched and grads
+        assert rings == 1  # the large call ran the ring, the small one the concatenation

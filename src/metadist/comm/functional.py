@@ -116,6 +116,21 @@ class _ReduceScatter(torch.autograd.Function):
         return full, None, None, None
 
 
+class _ReduceScatterParts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, group: Group, *parts: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.sizes = group, [p.numel() for p in parts]  # type: ignore[attr-defined]
+        size = ops.group_info(group)[1]
+        out = _plain_empty(parts[0], (sum(ctx.sizes) // size,))  # type: ignore[attr-defined]
+        ops.reduce_scatter_parts(out, [p.reshape(-1) for p in parts], group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        full = _AllGather.apply(g, ctx.group, "per_rank")
+        return (None, *full.split(ctx.sizes))
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, src: int, group: Group,
@@ -159,6 +174,15 @@ def reduce_scatter(x: torch.Tensor, op: DifferentiableOp = "sum", *,
     nothing), so the reduction may work in it instead of a copy."""
     _validate(op, "per_rank")
     out: torch.Tensor = _ReduceScatter.apply(x, op, group, input_is_scratch)
+    return out
+
+
+def reduce_scatter_parts(parts: Sequence[torch.Tensor], *,
+                         group: Group = None) -> torch.Tensor:
+    """Differentiable sum-reduce-scatter of the concatenation of 1-D contiguous ``parts``
+    (of the same sizes on every rank) without building it (``ops.reduce_scatter_parts``);
+    the backward hands each part its slice of the all-gathered gradient."""
+    out: torch.Tensor = _ReduceScatterParts.apply(group, *parts)
     return out
 
 

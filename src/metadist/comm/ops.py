@@ -13,6 +13,7 @@ rank, or an in-place all-reduce. Other backends use the native collectives.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn
 
@@ -312,6 +313,40 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
             return [_reduce_scatter_single(output, input, top, group=pg, async_op=True)]
     return _launch("reduce_scatter", group, [output, input], _nbytes(input), call, async_op,
                    output, finish, agree=[(output, True)], reduce=op,
+                   checked=True) or Handle(output)
+
+
+def reduce_scatter_parts(output: torch.Tensor, parts: Sequence[torch.Tensor],
+                         op: ReduceOpName = "sum", *, group: Group = None,
+                         async_op: bool = False) -> Handle:
+    """:func:`reduce_scatter` of ``torch.cat(parts)`` (1-D parts, of the same sizes on every
+    rank), reading the parts where they lie: a gradient that arrives as several tensors (a
+    flat buffer's parameters) is reduced without first being copied into one. The parts are
+    left as they were. On gloo the ring sends their slices; elsewhere they are concatenated
+    for the native collective."""
+    parts = list(parts)
+    pg, size, rank = group_info(group)
+    total = sum(p.numel() for p in parts)
+    if any(p.dim() != 1 or not p.is_contiguous() for p in parts) or \
+            output.dim() != 1 or total != size * output.numel():
+        raise ValueError(
+            f"reduce_scatter_parts: parts of {total} elements in all must be contiguous and "
+            f"1-D, {size} x the output's {output.numel()}; reshape(-1) them first")
+    if pg is None or size == 1:
+        for piece, at in zip(parts, itertools.accumulate((p.numel() for p in parts),
+                                                         initial=0), strict=False):
+            output.narrow(0, at, piece.numel()).copy_(piece)
+        return Handle(output)
+    use_ring = (str(dist.get_backend(pg)) == "gloo" and op in ("sum", "mean")
+                and _nbytes(output) * size >= RING_MIN_BYTES)
+    if not use_ring:
+        return reduce_scatter(output, torch.cat(parts), op, group=group, async_op=async_op,
+                              input_is_scratch=True)
+    _check("reduce_scatter", "gloo", output, *parts)
+    finish = _divider(output, size) if op == "mean" else None
+    return _launch("reduce_scatter", group, [output, *parts], _nbytes(output) * size,
+                   lambda pg: [ring.reduce_scatter_parts(output, parts, pg, size, rank)],
+                   async_op, output, finish, agree=[(output, True)], reduce=op,
                    checked=True) or Handle(output)
 
 

@@ -90,6 +90,53 @@ def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.Process
     return StepHandle(output, steps())
 
 
+def slices(parts: list[torch.Tensor], lo: int, n: int) -> list[torch.Tensor]:
+    """Views of ``parts`` (1-D) covering elements ``[lo, lo + n)`` of their concatenation."""
+    out, start = [], 0
+    for part in parts:
+        end = start + part.numel()
+        a, b = max(lo, start), min(lo + n, end)
+        if a < b:
+            out.append(part.narrow(0, a - start, b - a))
+        start = end
+    return out
+
+
+def reduce_scatter_parts(output: torch.Tensor, parts: list[torch.Tensor],
+                         pg: dist.ProcessGroup, size: int, rank: int) -> StepHandle:
+    """:func:`reduce_scatter` of the concatenation of ``parts`` without building it: the
+    first step sends the slices of the parts where they lie (gloo delivers a pair's messages
+    of one tag in order; every rank's parts have the same sizes, so the receiver splits its
+    buffer as the sender's slices are cut), the sums go into two buffers that alternate, the
+    last one into ``output``. The parts are only read, so nothing is copied first."""
+    tag = _next_tag(pg)
+    m = output.numel()
+    nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
+
+    def steps() -> Iterator[list[Any]]:
+        incoming, acc = torch.empty_like(output), None
+        for s in range(size - 1):
+            mine = slices(parts, ((rank - s - 2) % size) * m, m)  # what arrives is added to
+            if acc is None:
+                sends = slices(parts, ((rank - 1) % size) * m, m)
+                receives = list(incoming.split([t.numel() for t in mine]))
+            else:
+                sends, receives = [acc], [incoming]
+            yield ([dist.isend(t, nxt, group=pg, tag=tag) for t in sends]
+                   + [dist.irecv(t, prv, group=pg, tag=tag) for t in receives])
+            # the buffer just sent is free now: the sum goes there (or, last, into output)
+            into = output if s == size - 2 else (acc if acc is not None
+                                                  else torch.empty_like(output))
+            at = 0
+            for t in mine:
+                n = t.numel()
+                torch.add(t, incoming.narrow(0, at, n), out=into.narrow(0, at, n))
+                at += n
+            acc = into
+
+    return StepHandle(output, steps())
+
+
 def all_gather(output: torch.Tensor, pg: dist.ProcessGroup, size: int,
                rank: int) -> StepHandle:
     """Fill every dim-0 chunk of ``output`` from its owner; chunk ``rank`` is already ours."""

@@ -305,12 +305,11 @@ class FlatParam:
             ops.all_gather(out, src, group=self.group)
             return out
 
-    def views(self, full: torch.Tensor, fast: bool = False) -> list[torch.Tensor]:
+    def views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Parameter-shaped views of ``full``: one node in backward, which records which of
-        them a gradient reached (``fast``: a gather of fast weights, recorded per backward,
-        see :meth:`task_reached`)."""
+        them a gradient reached."""
         if full.requires_grad:
-            return list(_Views.apply(full, self, fast))
+            return list(_Views.apply(full, self))
         return split_views(full, self)
 
     def note_reached(self, mask: list[bool], fast: bool = False) -> None:
@@ -439,25 +438,24 @@ class _Views(torch.autograd.Function):
     others, where one process leaves ``grad=None``."""
 
     @staticmethod
-    def forward(ctx: Any, full: torch.Tensor, flat: FlatParam,
-                fast: bool = False) -> tuple[torch.Tensor, ...]:
-        ctx.flat, ctx.fast = flat, fast
+    def forward(ctx: Any, full: torch.Tensor, flat: FlatParam) -> tuple[torch.Tensor, ...]:
+        ctx.flat = flat
         ctx.set_materialize_grads(False)
         return tuple(split_views(full, flat))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None
-                 ) -> tuple[torch.Tensor | None, None, None]:
+                 ) -> tuple[torch.Tensor | None, None]:
         flat: FlatParam = ctx.flat
-        flat.note_reached([g is not None for g in grads], ctx.fast)
+        flat.note_reached([g is not None for g in grads])
         like = next((g for g in grads if g is not None), None)
-        if like is None:  # every gradient was taken on the way (shard_gather.py's diversion)
-            return None, None, None
+        if like is None:
+            return None, None
         parts = [g.reshape(-1) if g is not None else like.new_zeros(s.numel)
                  for g, s in zip(grads, flat.slots, strict=True)]
         if flat.padded > flat.numel:
             parts.append(like.new_zeros(flat.padded - flat.numel))
-        return torch.cat(parts), None, None
+        return torch.cat(parts), None
 
 
 class _Unshard(torch.autograd.Function):

@@ -38,6 +38,17 @@ _DIVERTED = "metadist_diverted"  # node metadata: the edges whose gradient a hoo
 _SEARCH_DEPTH = 8  # nodes a backward formula builds between its outputs and a saved input
 
 
+def scatter_parts(parts: list[Tensor], flat: FlatParam) -> Tensor:
+    """The concatenation of ``parts`` (a gradient of the whole buffer, as the parameters'
+    gradients and the padding) summed over the shard group, this rank's shard of it, read
+    where the parts lie; differentiably where a graph is being recorded."""
+    if torch.is_grad_enabled():
+        return functional.reduce_scatter_parts(parts, group=flat.group)
+    out = parts[0].new_empty(flat.shard_size)
+    ops.reduce_scatter_parts(out, parts, "sum", group=flat.group)
+    return out
+
+
 def sum_over(g: Tensor, flat: FlatParam, scatter: bool, scratch: bool = False) -> Tensor:
     """``g`` summed over the shard group (reduce-scattered if ``scatter``), differentiably
     where a graph is being recorded; ``scratch``: the reduction may overwrite ``g``."""
@@ -79,23 +90,18 @@ class Gathered:
 
     __slots__ = ("aside", "flat", "node", "noting", "piece", "used", "version")
 
-    def __init__(self, piece: Tensor, flat: FlatParam, full: Tensor) -> None:
+    def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
-        self.node = full.grad_fn  # the gather's backward (None without a graph)
-        self.noting = False  # its views note what each backward reached (see split)
-        self.version = full._version  # a later in-place change makes saved views unsafe
+        self.node = views[0].grad_fn  # the gather's backward (None without a graph)
+        # its backward notes what each backward reached (FlatParam.task_reached)
+        self.noting = views[0].requires_grad
+        self.version = views[0]._version  # a later in-place change makes saved views unsafe
         self.aside: Tensor | None = None
         # The sequence numbers of the nodes the forward built while the unit ran: those
         # consume the buffer as the forward does, and their gradient is not diverted (it
         # reaches this gather's backward in its turn, and would only cost a reduce-scatter).
         start = torch._C._autograd._get_sequence_nr()
         self.used = (start, start)
-
-    def split(self, full: Tensor) -> list[Tensor]:
-        """The parameter views of ``full`` (this gather's buffer), through a node that
-        notes which parameters each backward reached (FlatParam.task_reached)."""
-        self.noting = full.requires_grad
-        return self.flat.views(full, fast=True)
 
     def unit_left(self) -> None:
         """The unit's members have run: the forward's own consumers are all built."""

@@ -39,6 +39,7 @@ from metadist.strategies.flat import (
     FlatParam,
     refuse_shard_grad,
     shard_grads_allowed,
+    split_views,
 )
 from metadist.strategies.foreign_runs import RESOLVERS
 from metadist.strategies.shard_gather import (
@@ -47,6 +48,7 @@ from metadist.strategies.shard_gather import (
     real_size,
     register,
     saved_as_shards,
+    scatter_parts,
     sum_over,
 )
 from metadist.strategies.shard_piece import plain
@@ -56,28 +58,36 @@ if TYPE_CHECKING:
 
 # ----- gathering a piece ---------------------------------------------------------------------
 class _FastGather(torch.autograd.Function):
-    """A piece of fast weights gathered whole. Backward: the reduce-scatter of every rank's
-    gradient, a plain sum (the gather is the identity on the group's whole tensor; inside
-    ``fast.grad`` each rank's inner loss already carries its weight in the group's mean).
-    Second-order gradients diverted to this gather (strategies/shard_gather.py) are added
-    here."""
+    """A piece of fast weights gathered whole, as its parameters' views. Backward: the
+    reduce-scatter of every rank's gradient, a plain sum (the gather is the identity on the
+    group's whole tensor; inside ``fast.grad`` each rank's inner loss already carries its
+    weight in the group's mean), read from the parameters' gradients where they lie (no
+    whole-size concatenation first). It notes which parameters each backward reached, and
+    adds the second-order gradients diverted to this gather (strategies/shard_gather.py)."""
 
     @staticmethod
-    def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered]) -> Tensor:
+    def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered]
+                ) -> tuple[Tensor, ...]:
         ctx.flat, ctx.gathered, ctx.length = flat, gathered, piece.numel()
-        return all_gather(piece, flat)
+        ctx.set_materialize_grads(False)
+        return tuple(split_views(all_gather(piece, flat), flat))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None]:
         flat: FlatParam = ctx.flat
-        g = grad.to(flat.reduce_dtype)
-        # a fresh buffer (a cast, or the split's concatenated gradient autograd hands over)
-        # may be overwritten by the reduction; a view or an expanded zero not
-        scratch = g is not grad or (g.is_contiguous() and not g._is_view())
-        out = sum_over(g, flat, scatter=True, scratch=scratch)
-        aside = ctx.gathered[0].take_aside()  # only plain backwards divert
-        if aside is not None:
-            out = out + aside if torch.is_grad_enabled() else out.add_(aside)
+        flat.note_reached([g is not None for g in grads], fast=True)
+        out = ctx.gathered[0].take_aside()  # only plain backwards divert
+        like = next((g for g in grads if g is not None), None)
+        if like is not None:
+            parts = [(g if g is not None else like.new_zeros(s.shape)).reshape(-1)
+                     .to(flat.reduce_dtype) for g, s in zip(grads, flat.slots, strict=True)]
+            if flat.padded > flat.numel:
+                parts.append(parts[0].new_zeros(flat.padded - flat.numel))
+            summed = scatter_parts(parts, flat)
+            out = summed if out is None else (
+                summed + out if torch.is_grad_enabled() else summed.add_(out))
+        if out is None:  # every gradient was diverted, and none is waiting
+            return None, None, None
         if ctx.length < out.numel():  # the padding's gradient goes nowhere
             out = out[:ctx.length]
         return out.to(flat.shard.device, flat.shard.dtype), None, None
@@ -139,18 +149,18 @@ def _sum_replicas(g: Tensor, flat: FlatParam) -> Tensor:
     return out
 
 
-def gather(piece: Tensor, flat: FlatParam) -> tuple[Tensor, Gathered]:
-    """``piece`` whole: through :class:`_FastGather` where gradients flow, else plain; its
-    views are kept as shards when autograd saves them."""
+def gather(piece: Tensor, flat: FlatParam) -> tuple[list[Tensor], Gathered]:
+    """``piece`` whole, as its parameters' views: through :class:`_FastGather` where
+    gradients flow, else plain; kept as shards when autograd saves them."""
     if torch.is_grad_enabled() and piece.requires_grad:
         holder: list[Gathered] = []
-        out: Tensor = _FastGather.apply(plain(piece), flat, holder)
-        holder.append(Gathered(piece, flat, out))
+        views = list(_FastGather.apply(plain(piece), flat, holder))
+        holder.append(Gathered(piece, flat, views))
     else:
-        out = all_gather(piece, flat)
-        holder = [Gathered(piece, flat, out)]
-    register(out, holder[0])
-    return out, holder[0]
+        views = split_views(all_gather(piece, flat), flat)
+        holder = [Gathered(piece, flat, views)]
+    register(views[0], holder[0])
+    return views, holder[0]
 
 
 # ----- the forward ---------------------------------------------------------------------------
@@ -171,9 +181,8 @@ class FastForward:
         views = self._whole.get(flat)
         if views is None:
             piece = self.pieces.get(flat, flat.shard)
-            full, gathered = gather(piece if flat.shard.requires_grad
-                                    else flat.shard.detach(), flat)
-            views = self._whole[flat] = gathered.split(full)
+            views = self._whole[flat] = gather(piece if flat.shard.requires_grad
+                                               else flat.shard.detach(), flat)[0]
         return views[index]
 
     def enter(self, unit: Unit) -> None:
@@ -205,10 +214,10 @@ class FastForward:
         made = []
         for flat in unit.flats:
             piece = self.pieces.get(flat, flat.shard)
-            full, gathered = gather(piece if flat.shard.requires_grad
-                                    else flat.shard.detach(), flat)
+            views, gathered = gather(piece if flat.shard.requires_grad
+                                     else flat.shard.detach(), flat)
             made.append(gathered)
-            for slot, view in zip(flat.slots, gathered.split(full), strict=True):
+            for slot, view in zip(flat.slots, views, strict=True):
                 placed += [(place_of(module, attr), view) for module, attr in slot.uses]
         return write(placed), made
 
@@ -363,7 +372,6 @@ class ShardedLayout:
     def full(self, pieces: Sequence[Tensor]) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
         for flat, piece in zip(self.flats, pieces, strict=True):
-            full, gathered = gather(piece, flat)
-            views = gathered.split(full)  # differentiable
+            views = gather(piece, flat)[0]  # differentiable
             out.update((s.fqn, v) for s, v in zip(flat.slots, views, strict=True))
         return out

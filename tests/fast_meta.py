@@ -159,12 +159,11 @@ def unit_bytes() -> int:
     return WIDTH * (WIDTH + 1) * 4
 
 
-def meta_step_peak(strategy: str, path: str, options: dict[str, Any] | None = None) -> int:
-    """Bytes of live storages at the peak of one meta-step (K inner steps with
-    create_graph, the outer loss, backward), above what was alive before it: ``path`` is
-    "sharded" (model.fast_weights()) or "gathered" (full_parameters())."""
-    from metadist.testing import peak_bytes_of
-
+def _meta_step(strategy: str, path: str, options: dict[str, Any] | None
+               ) -> tuple[Any, Any]:
+    """A set-up model's meta-step (K inner steps with create_graph, the outer loss,
+    backward) and its optimizer: ``path`` is "sharded" (model.fast_weights()) or "gathered"
+    (full_parameters())."""
     s = metadist.strategy(strategy, **(options or {}))
     model = wide_net()
     model, opt = s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -188,9 +187,36 @@ def meta_step_peak(strategy: str, path: str, options: dict[str, Any] | None = No
                                                                  strict=True)}
         s.backward(_mse(model.functional_forward(fast, xs), ys))
 
+    return step, opt
+
+
+def meta_step_peak(strategy: str, path: str, options: dict[str, Any] | None = None) -> int:
+    """Bytes of live storages at the peak of one meta-step, above what was alive before
+    it (:func:`_meta_step`)."""
+    from metadist.testing import peak_bytes_of
+
+    step, opt = _meta_step(strategy, path, options)
     step()  # the gradients' own storage exists from here on, as in training
     opt.zero_grad(set_to_none=False)
     return peak_bytes_of(step)[1]
+
+
+def meta_steps_kept(strategy: str, path: str, options: dict[str, Any] | None = None,
+                    steps: int = 3) -> int:
+    """Bytes of storages that ``steps`` training meta-steps (each with the optimizer's step)
+    allocated and left alive: what a long run would accumulate."""
+    from metadist.testing import bytes_kept_by
+
+    step, opt = _meta_step(strategy, path, options)
+
+    def train() -> None:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=False)
+            step()
+            opt.step()
+
+    train()  # the gradients' own storage exists from here on
+    return bytes_kept_by(train)[1]
 
 
 # ----- the TorchOpt drop-in's functional optimisers on fast weights -----------------------------

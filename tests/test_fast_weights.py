@@ -100,6 +100,39 @@ def test_sharded_meta_step_memory_falls_as_one_over_n() -> None:
     assert gathered > 1.2 * one / 4 + 2 * unit, (gathered, one)
 
 
+def test_meta_steps_keep_nothing_from_one_step_to_the_next() -> None:
+    """Training meta-steps on fast weights leave no storage alive from one to the next
+    (before: a registry of gathers kept each step's fast-weight pieces, and with them the
+    autograd graph behind them, a step's worth of pieces more after every step, in bytes of
+    live storages)."""
+    wide = {"wrap_classes": (nn.Linear,)}
+    for strategy, n, nnodes, path in (("zero3", 2, 1, "sharded"), ("hsdp", 4, 2, "sharded"),
+                                      ("zero3", 3, 1, "gathered")):
+        kept = run_on_ranks(fast_meta.meta_steps_kept, n, nnodes=nnodes, timeout=300,
+                            args=(strategy, path, wide))
+        assert max(kept) == 0, f"{strategy} N={n} {path}: {kept} B kept per rank"
+
+
+def _kept_by_a_saved_output() -> bool:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from metadist.strategies.shard_gather import saved_as_shards
+
+    x = torch.randn(16, requires_grad=True)
+    with saved_as_shards():
+        y = x.tanh()  # saves its own output
+    ref = StorageWeakRef(y.untyped_storage())
+    del y
+    return not ref.expired()
+
+
+def test_an_output_saved_inside_the_hooks_dies_with_its_graph() -> None:
+    """The saved-tensors hook hands autograd what it does not keep as shards detached: a
+    node saving its own output otherwise holds itself through the hook's result, a cycle
+    no collection frees (before: the output of tanh, and the graph behind it, stayed)."""
+    assert not _kept_by_a_saved_output()
+
+
 # ----- what it refuses -------------------------------------------------------------------------
 def _uneven_weights() -> str:
     s = metadist.strategy("zero3", min_unit_params=50)

@@ -22,6 +22,7 @@ their size, alive far longer, and this module prevents both:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -88,11 +89,15 @@ class Gathered:
     """One gather of a piece: what its saved views refer to, and the second-order gradient
     diverted to it (this rank's shard of it) until its backward takes it."""
 
-    __slots__ = ("aside", "flat", "node", "noting", "piece", "used", "version")
+    __slots__ = ("__weakref__", "aside", "flat", "node", "noting", "piece", "used", "version")
 
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
-        self.node = views[0].grad_fn  # the gather's backward (None without a graph)
+        # The gather's backward (None without a graph), weakly: its node holds this through
+        # its context, and a node held back by what it holds is a cycle the garbage collector
+        # cannot free (each meta-step's pieces and graph stayed alive for good).
+        node = views[0].grad_fn
+        self.node = None if node is None else weakref.ref(node)
         # its backward notes what each backward reached (FlatParam.task_reached)
         self.noting = views[0].requires_grad
         self.version = views[0]._version  # a later in-place change makes saved views unsafe
@@ -158,28 +163,37 @@ class _Packed:
 
 
 class _Registry:
-    """Gathered buffers by storage: what the pack hook recognises."""
+    """Gathered buffers by storage: what the pack hook recognises. It holds neither the
+    buffers nor their :class:`Gathered` (each holds its piece, a step's fast weights and,
+    through them, the graph that made them): what is alive is kept by its users, the
+    gather's node and the packed views, and an entry goes when either of the two goes."""
 
     def __init__(self) -> None:
-        self._by_storage: dict[int, tuple[StorageWeakRef, Gathered]] = {}
+        self._by_storage: dict[int, tuple[StorageWeakRef, weakref.ref[Gathered]]] = {}
 
     def add(self, full: Tensor, gathered: Gathered) -> None:
         storage = full.untyped_storage()
-        self._by_storage[storage._cdata] = (StorageWeakRef(storage), gathered)
-        if len(self._by_storage) > 256:  # drop freed buffers now and then
+        self._by_storage[storage._cdata] = (StorageWeakRef(storage), weakref.ref(gathered))
+        if len(self._by_storage) > 256:  # drop the entries of freed buffers now and then
             self._by_storage = {k: v for k, v in self._by_storage.items()
-                                if not v[0].expired()}
+                                if not v[0].expired() and v[1]() is not None}
 
     def pack(self, t: Tensor) -> Any:
+        # What is not a gathered view is kept as autograd would keep it, but detached: the
+        # hook's result must not hold the tensor's grad_fn. A node that saves its own output
+        # (tanh, exp, softmax) would otherwise hold itself through it, a cycle through C++
+        # that no collection frees, and with it every graph behind it: each meta-step's
+        # fast weights and activations, alive for good. (Autograd gives the unpacked tensor
+        # its node back.)
         if t.device.type == "meta" or t.is_sparse:
-            return t
+            return t.detach()
         entry = self._by_storage.get(t.untyped_storage()._cdata)
-        if entry is None or entry[0].expired():
-            return t
-        gathered = entry[1]
+        gathered = None if entry is None or entry[0].expired() else entry[1]()
+        if gathered is None:
+            return t.detach()
         base = t._base if t._base is not None else t
         if base._version != gathered.version:  # changed in place: keep it as it is
-            return t
+            return t.detach()
         return _Packed(gathered, t)
 
     @staticmethod
@@ -197,15 +211,19 @@ class _Diverter:
         node: Any = torch._C._current_autograd_node()
         if node is None or packed.node is None or not torch.is_grad_enabled():
             return
-        pending: list[_Packed] | None = node.metadata.get(_DIVERTED + "_pending")
+        # A node's hook reaches its node through the metadata dict, never directly: a hook
+        # holding its node is a cycle through C++ that the garbage collector cannot see, and
+        # it would keep the node, and every graph behind it, alive after the backward.
+        metadata = node.metadata
+        pending: list[_Packed] | None = metadata.get(_DIVERTED + "_pending")
         if pending is None:
-            node.metadata[_DIVERTED + "_pending"] = [packed]
-            node.register_hook(lambda grads, _, node=node: self._built(node, grads))
+            metadata[_DIVERTED + "_pending"] = [packed]
+            node.register_hook(lambda grads, _: self._built(metadata, grads))
         else:
             pending.append(packed)
 
-    def _built(self, node: Any, grads: tuple[Tensor | None, ...]) -> None:
-        packs = node.metadata.pop(_DIVERTED + "_pending", [])
+    def _built(self, metadata: dict[str, Any], grads: tuple[Tensor | None, ...]) -> None:
+        packs = metadata.pop(_DIVERTED + "_pending", [])
         targets = {(id(p.node), p.output_nr): p for p in packs}
         seen: set[int] = set()
         frontier = [g.grad_fn for g in grads if g is not None and g.grad_fn is not None]
@@ -231,18 +249,18 @@ class _Diverter:
         if known is not None:
             known.update(edges)
             return
-        built.metadata[_DIVERTED] = dict(edges)
+        diverted = built.metadata[_DIVERTED] = dict(edges)  # the hook holds this, not built
 
         def divert(grads: tuple[Tensor | None, ...], _: Any) -> tuple[Tensor | None, ...] | None:
             if torch.is_grad_enabled():  # a graph is being recorded: send it on
                 return None
             out = list(grads)
-            for i, packed in built.metadata[_DIVERTED].items():
-                gathered = packed.gathered
-                if out[i] is None or gathered.node is None or \
-                        not torch._C._will_engine_execute_node(gathered.node):
+            for i, packed in diverted.items():
+                grad, gathered = out[i], packed.gathered
+                node = None if gathered.node is None else gathered.node()
+                if grad is None or node is None or not torch._C._will_engine_execute_node(node):
                     continue
-                gathered.divert(out[i], packed)
+                gathered.divert(grad, packed)
                 out[i] = None
             return tuple(out)
 

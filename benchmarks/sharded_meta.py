@@ -17,7 +17,8 @@ storages (allocations seen by a dispatch mode; stable under load) and resident m
 kernel's high-water mark, reset before the step, with glibc's mmap threshold fixed so that
 it follows the tensors: see :func:`_resident_follows_tensors`). The bound is issue 28's:
 1.2 x (ddp's growth at N = 1) / N + twice the largest unit's full size. Time: medians of
-``--steps`` alternating meta-steps, sharded against gathered, in the same two processes.
+``--steps`` meta-steps of each path in two processes of its own, then over ``--rounds``
+launches taking turns (see :func:`_time_body` for why not alternating steps).
 Traffic: the collectives one sharded meta-step issues, by kind, against the count the
 mechanism implies (see :func:`_expected_calls`), and bytes each rank sends against the ring
 model.
@@ -28,7 +29,8 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-from collections.abc import Callable, Iterator
+import statistics
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,9 +38,9 @@ import torch
 from torch import Tensor, nn
 
 import metadist
-from benchmarks.common import Results, alternate, output_args, parse
+from benchmarks.common import Results, output_args, parse, rotation, timed
 from metadist.comm import stats
-from metadist.testing import peak_bytes_of
+from metadist.testing import bytes_kept_by, peak_bytes_of
 
 K, LR = 3, 0.1
 MIB = 2**20
@@ -126,7 +128,8 @@ def _memory_body(strategy: str, path: str, width: int, depth: int, batch: int
                  ) -> dict[str, float]:
     """Rank-wise growth of one meta-step: resident memory over the first one after setup
     (the issue's measure), live storages over the second (gradients exist, as in
-    training)."""
+    training); and the bytes of storages that two more meta-steps leave alive (what a long
+    run would accumulate: nothing)."""
     s, model, opt, x, y = _set_up(strategy, width, depth, batch)
     # resident: the first meta-step after setup (later ones reuse what the allocator kept)
     before = _status_kib("VmRSS")
@@ -136,7 +139,13 @@ def _memory_body(strategy: str, path: str, width: int, depth: int, batch: int
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     rss = max(peak_kib - before, 0) * 1024
     live = peak_bytes_of(lambda: _step(s, model, opt, x, y, path))[1]
-    mine = torch.tensor([live, rss], dtype=torch.float64)
+
+    def two_steps() -> None:
+        for _ in range(2):
+            _step(s, model, opt, x, y, path)
+
+    kept = bytes_kept_by(two_steps)[1]
+    mine = torch.tensor([live, rss, kept], dtype=torch.float64)
     every = [torch.zeros_like(mine) for _ in range(metadist.world().world_size)]
     if metadist.world().world_size > 1:
         torch.distributed.all_gather(every, mine)
@@ -145,23 +154,42 @@ def _memory_body(strategy: str, path: str, width: int, depth: int, batch: int
     return {"live_max": max(float(t[0]) for t in every) / MIB,
             "live_min": min(float(t[0]) for t in every) / MIB,
             "rss_max": max(float(t[1]) for t in every) / MIB,
-            "rss_min": min(float(t[1]) for t in every) / MIB}
+            "rss_min": min(float(t[1]) for t in every) / MIB,
+            "kept_max": max(float(t[2]) for t in every) / MIB}
 
 
-def _time_body(width: int, depth: int, batch: int, steps: int, warmup: int
+def _time_body(path: str, width: int, depth: int, batch: int, steps: int, warmup: int
                ) -> dict[str, Any]:
-    """Sharded and gathered meta-steps alternating on one zero3 model; the collectives of
-    one sharded meta-step."""
+    """The median of ``steps`` meta-steps of one path, in processes of its own; for the
+    sharded path also the collectives of one meta-step. (The two paths do not take turns in
+    the same processes: each leaves the C allocator's heap in a state that moves the other's
+    page faults, measured at 10-20% of either's time in opposite directions, which made the
+    ratio look better than either path alone.)"""
     s, model, opt, x, y = _set_up("zero3", width, depth, batch)
-    def run(path: str) -> Callable[[], None]:
-        return lambda: _step(s, model, opt, x, y, path)
+    for _ in range(warmup):
+        _step(s, model, opt, x, y, path)
+    times = sorted(timed(lambda: _step(s, model, opt, x, y, path)) for _ in range(steps))
+    ops = {}
+    if path == "sharded":
+        with stats.counting() as counted:
+            _step(s, model, opt, x, y, path)
+        ops = {op: {"calls": o.calls, "bytes": o.bytes, "wire_bytes": o.wire_bytes}
+               for op, o in counted.ops.items()}
+    return {"time": statistics.median(times), "ops": ops}
 
-    times = alternate({path: run(path) for path in ("sharded", "gathered")}, steps, warmup)
-    with stats.counting() as counted:
-        _step(s, model, opt, x, y, "sharded")
-    ops = {op: {"calls": o.calls, "bytes": o.bytes, "wire_bytes": o.wire_bytes}
-           for op, o in counted.ops.items()}
-    return {"times": times, "ops": ops}
+
+def _times(args: argparse.Namespace, batch: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Each path's median over ``--rounds`` launches, the paths' launches taking turns."""
+    samples: dict[str, list[float]] = {"sharded": [], "gathered": []}
+    ops: dict[str, Any] = {}
+    for i in range(args.rounds):
+        for path in rotation(list(samples), i):
+            res = metadist.launch(_time_body, 2, args=(path, args.width, args.depth, batch,
+                                                       args.steps, args.warmup),
+                                  threads=1, timeout=3000)[0]
+            samples[path].append(res["time"])
+            ops = res["ops"] or ops
+    return {path: statistics.median(ts) for path, ts in samples.items()}, ops
 
 
 def _expected_calls(units: int, saved: int) -> dict[str, int]:
@@ -219,8 +247,9 @@ def main() -> None:
     ap.add_argument("--budget-gib", type=float, default=16.0,
                     help="per-rank memory for the largest-model table")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="launches per path for the times")
     output_args(ap)
-    args = parse(ap, width=256, steps=2, warmup=1, time_batches="32")
+    args = parse(ap, width=256, steps=2, warmup=1, time_batches="32", rounds=1)
     shape = (args.width, args.depth, args.batch)
     params = args.depth * args.width * (args.width + 1)
     unit_mib = args.width * (args.width + 1) * 4 / MIB
@@ -247,12 +276,14 @@ def main() -> None:
             label = "2 x 2" if strategy == "hsdp" else str(n)
             rows.append((strategy, path, label, f"{m['rss_min']:.0f}-{m['rss_max']:.0f}",
                          f"{m['live_min']:.0f}-{m['live_max']:.0f}", f"{bound:.0f}",
-                         "yes" if m["live_max"] <= bound else "no"))
+                         "yes" if m["live_max"] <= bound else "no", f"{m['kept_max']:.1f}"))
             records.append({"strategy": strategy, "path": path, "ranks": label,
                             "rss_mib": [m["rss_min"], m["rss_max"]],
-                            "live_mib": [m["live_min"], m["live_max"]], "bound_mib": bound})
+                            "live_mib": [m["live_min"], m["live_max"]], "bound_mib": bound,
+                            "kept_mib": m["kept_max"]})
         out.table(["strategy", "fast weights", "ranks", "resident growth MiB (min-max rank)",
-                   "live storages MiB (min-max rank)", "bound MiB (live)", "within"],
+                   "live storages MiB (min-max rank)", "bound MiB (live)", "within",
+                   "MiB left alive by 2 more meta-steps (max rank)"],
                   rows, key="memory")
         out.note(f"bound: 1.2 x (ddp's live growth at N = 1: {one_live:.0f} MiB) / N + twice "
                  f"the largest unit ({unit_mib:.1f} MiB each); hsdp at its shard factor 2. "
@@ -262,23 +293,22 @@ def main() -> None:
         rows = []
         timing = []
         for batch in (int(b) for b in args.time_batches.split(",")):
-            res = metadist.launch(_time_body, 2, args=(args.width, args.depth, batch,
-                                                       args.steps, args.warmup),
-                                  threads=1, timeout=3000)[0]
-            t = res["times"]
+            t, ops = _times(args, batch)
             rows.append((batch, t["sharded"] * 1e3, t["gathered"] * 1e3,
                          f"{t['sharded'] / t['gathered']:.2f}"))
             timing.append({"batch": batch, "sharded_ms": t["sharded"] * 1e3,
                            "gathered_ms": t["gathered"] * 1e3,
                            "ratio": t["sharded"] / t["gathered"]})
-        out.heading(f"meta-step time at N = 2, zero3 (medians of {args.steps}, alternating)")
+        out.heading(f"meta-step time at N = 2, zero3 (each path in its own processes: "
+                    f"medians of {args.steps} steps, then of {args.rounds} launches taking "
+                    f"turns)")
         out.table(["global batch", "sharded ms", "gathered ms", "time ratio sharded / gathered"],
                   rows, key="time")
         out.data["time"] = timing
         expected = _expected_calls(args.depth, args.depth - 1)
         unit_bytes = args.width * (args.width + 1) * 4
         rows = []
-        for op, o in sorted(res["ops"].items()):
+        for op, o in sorted(ops.items()):
             want = expected.get(op)
             ring = (want * unit_bytes / 2 if want is not None else None)  # (N-1)/N at N = 2
             rows.append((op, o["calls"], want if want is not None else "-",
@@ -288,7 +318,7 @@ def main() -> None:
         out.table(["collective", "calls / meta-step", "calls / meta-step by the formula",
                    "MiB sent per rank (ring model)", "MiB for those calls' unit payloads"],
                   rows, key="traffic")
-        out.data["traffic"] = {"ops": res["ops"], "expected_calls": expected}
+        out.data["traffic"] = {"ops": ops, "expected_calls": expected}
 
 
 if __name__ == "__main__":

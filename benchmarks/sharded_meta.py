@@ -240,7 +240,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--batch", type=int, default=32, help="the inner problem's global batch")
-    ap.add_argument("--time-batches", default="32,256",
+    ap.add_argument("--time-batches", default="32,256,512",
                     help="global batches the time comparison runs at (compute grows with the "
                          "batch, the collectives do not)")
     ap.add_argument("--steps", type=int, default=5, help="timed meta-steps per path")

@@ -72,20 +72,25 @@ def _peer(pg: dist.ProcessGroup, group_rank: int) -> int:
 def reduce_scatter(output: torch.Tensor, scratch: torch.Tensor, pg: dist.ProcessGroup,
                    size: int, rank: int) -> StepHandle:
     """Sum over ranks of dim-0 chunk ``rank`` of ``scratch`` into ``output``; overwrites
-    ``scratch``."""
+    ``scratch``. The last step receives straight into ``output`` when it is a buffer of its
+    own (no scratch-sized temporary: at two ranks the ring allocates nothing)."""
     tag = _next_tag(pg)
     chunks = rows(scratch, size)
     nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
+    direct = output.untyped_storage().data_ptr() != scratch.untyped_storage().data_ptr()
 
     def steps() -> Iterator[list[Any]]:
-        incoming = torch.empty_like(chunks[0])
+        incoming = torch.empty_like(chunks[0]) if size > 2 or not direct else output
         for s in range(size - 1):
-            send = chunks[(rank - s - 1) % size]
-            yield [dist.irecv(incoming, prv, group=pg, tag=tag),
-                   dist.isend(send, nxt, group=pg, tag=tag)]
+            last = s == size - 2
+            into = output if last and direct else incoming
+            yield [dist.irecv(into, prv, group=pg, tag=tag),
+                   dist.isend(chunks[(rank - s - 1) % size], nxt, group=pg, tag=tag)]
             mine = chunks[(rank - s - 2) % size]  # chunk ``rank`` at the last step
-            if s == size - 2 and output.data_ptr() != mine.data_ptr():
-                torch.add(mine, incoming, out=output)  # the sum lands where it is wanted
+            if into is output:
+                output.add_(mine)
+            elif last and output.data_ptr() != mine.data_ptr():
+                torch.add(mine, incoming, out=output)  # output lies in the scratch
             else:
                 mine.add_(incoming)
 
@@ -109,32 +114,39 @@ def reduce_scatter_parts(output: torch.Tensor, parts: list[torch.Tensor],
     """:func:`reduce_scatter` of the concatenation of ``parts`` without building it: the
     first step sends the slices of the parts where they lie (gloo delivers a pair's messages
     of one tag in order; every rank's parts have the same sizes, so the receiver splits its
-    buffer as the sender's slices are cut), the sums go into two buffers that alternate, the
-    last one into ``output``. The parts are only read, so nothing is copied first."""
+    buffer as the sender's slices are cut), the sums go into two buffers that alternate, and
+    the last step receives straight into ``output`` and adds this rank's slices there. The
+    parts are only read, so nothing is copied first (at two ranks nothing is allocated)."""
     tag = _next_tag(pg)
     m = output.numel()
     nxt, prv = _peer(pg, (rank + 1) % size), _peer(pg, (rank - 1) % size)
 
     def steps() -> Iterator[list[Any]]:
-        incoming, acc = torch.empty_like(output), None
+        incoming = torch.empty_like(output) if size > 2 else output
+        acc: torch.Tensor | None = None
         for s in range(size - 1):
+            into = output if s == size - 2 else incoming
             mine = slices(parts, ((rank - s - 2) % size) * m, m)  # what arrives is added to
             if acc is None:
                 sends = slices(parts, ((rank - 1) % size) * m, m)
-                receives = list(incoming.split([t.numel() for t in mine]))
+                receives = list(into.split([t.numel() for t in mine]))
             else:
-                sends, receives = [acc], [incoming]
+                sends, receives = [acc], [into]
             yield ([dist.irecv(t, prv, group=pg, tag=tag) for t in receives]
                    + [dist.isend(t, nxt, group=pg, tag=tag) for t in sends])
-            # the buffer just sent is free now: the sum goes there (or, last, into output)
-            into = output if s == size - 2 else (acc if acc is not None
-                                                  else torch.empty_like(output))
+            if into is output:  # the last step: this rank's slices added where the sum lands
+                at = 0
+                for t in mine:
+                    output.narrow(0, at, t.numel()).add_(t)
+                    at += t.numel()
+                return
+            # the buffer just sent is free now: the partial sum goes there
+            acc = acc if acc is not None else torch.empty_like(output)
             at = 0
             for t in mine:
                 n = t.numel()
-                torch.add(t, incoming.narrow(0, at, n), out=into.narrow(0, at, n))
+                torch.add(t, incoming.narrow(0, at, n), out=acc.narrow(0, at, n))
                 at += n
-            acc = into
 
     return StepHandle(output, steps())
 

@@ -101,10 +101,10 @@ def test_sharded_meta_step_memory_falls_as_one_over_n() -> None:
 
 
 def test_meta_steps_keep_nothing_from_one_step_to_the_next() -> None:
-    """Training meta-steps on fast weights leave no storage alive from one to the next
-    (before: a registry of gathers kept each step's fast-weight pieces, and with them the
-    autograd graph behind them, a step's worth of pieces more after every step, in bytes of
-    live storages)."""
+    """Training meta-steps on fast weights leave no storage alive from one to the next, in
+    bytes of live storages (before: a gather's record and its backward node held each
+    other, a cycle through C++ that no collection frees, and the registry of gathers held
+    the records: every step's fast-weight pieces and the graph behind them stayed alive)."""
     wide = {"wrap_classes": (nn.Linear,)}
     for strategy, n, nnodes, path in (("zero3", 2, 1, "sharded"), ("hsdp", 4, 2, "sharded"),
                                       ("zero3", 3, 1, "gathered")):

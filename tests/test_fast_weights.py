@@ -133,6 +133,44 @@ def test_an_output_saved_inside_the_hooks_dies_with_its_graph() -> None:
     assert not _kept_by_a_saved_output()
 
 
+class _FrozenHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.head.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return (self(x) @ self.head.weight).pow(2).sum()  # head read outside its forward
+
+
+def _kept_by_a_read_outside_the_forward() -> int:
+    from metadist.testing import bytes_kept_by
+
+    torch.manual_seed(0)
+    s = metadist.strategy("zero3", wrap_classes=(nn.Linear,))
+    net = _FrozenHead()
+    model, _ = s.setup(net, torch.optim.SGD(net.body.parameters(), lr=0.1))
+    x, fast, out = torch.randn(4, 64), model.fast_weights(), []
+
+    def loss() -> None:
+        with model.bound(fast):
+            out.append(model.loss(x))
+
+    return bytes_kept_by(loss)[1]
+
+
+def test_a_frozen_weight_read_outside_its_forward_is_saved_as_a_shard() -> None:
+    """A frozen unit gathered for a read outside its forward (a loss through a module's
+    method) and saved by autograd is kept as a reference to its shard: the graph holds the
+    activations (4 x 64 floats), not the unit's whole buffer (64 x 65 floats)."""
+    whole = 64 * 65 * 4
+    for kept in run_on_ranks(_kept_by_a_read_outside_the_forward, 2):
+        assert kept < whole, f"{kept} B kept: the frozen unit's whole buffer is {whole} B"
+
+
 # ----- what it refuses -------------------------------------------------------------------------
 def _uneven_weights() -> str:
     s = metadist.strategy("zero3", min_unit_params=50)

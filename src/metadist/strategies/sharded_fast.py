@@ -172,18 +172,20 @@ class FastForward:
                  flats: Sequence[FlatParam]) -> None:
         self.pieces, self.root_unit, self.flats = pieces, root_unit, frozenset(flats)
         self._open: dict[Unit, tuple[int, list[Saved], list[Gathered]]] = {}
-        self._whole: dict[FlatParam, list[Tensor]] = {}  # read outside the units' forwards
+        # read outside the units' forwards: the views, and their gather's record (the
+        # saved-tensors hook finds it only while someone holds it)
+        self._whole: dict[FlatParam, tuple[list[Tensor], Gathered]] = {}
 
     def whole(self, flat: FlatParam, index: int) -> Tensor:
         """Parameter ``index`` of ``flat`` on these fast weights, gathered (differentiably)
         for a read outside its unit's forward, e.g. a loss computed through a module's
         method; kept for the rest of this computation."""
-        views = self._whole.get(flat)
-        if views is None:
+        known = self._whole.get(flat)
+        if known is None:
             piece = self.pieces.get(flat, flat.shard)
-            views = self._whole[flat] = gather(piece if flat.shard.requires_grad
-                                               else flat.shard.detach(), flat)[0]
-        return views[index]
+            known = self._whole[flat] = gather(piece if flat.shard.requires_grad
+                                               else flat.shard.detach(), flat)
+        return known[0][index]
 
     def enter(self, unit: Unit) -> None:
         running, saved, made = self._open.get(unit, (0, [], []))

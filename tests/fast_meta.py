@@ -146,11 +146,12 @@ def _slice_tasks(all_tasks: list[Any], index: int, count: int) -> list[Any]:
 WIDTH, DEPTH, BATCH = 192, 6, 8
 
 
-def wide_net() -> nn.Module:
+def wide_net(width: int = WIDTH, depth: int = DEPTH) -> nn.Module:
+    """``depth`` Linear(width, width) + tanh layers (one unit each under wrap_classes)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*layers)
 
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import metadist
+from fast_meta import wide_net
 from metadist.meta import Engine, EngineConfig, Problem
 from metadist.testing import peak_bytes_of, run_on_ranks
 
@@ -28,14 +29,6 @@ UNIT = WIDTH * (WIDTH + 1) * 4  # one Linear, whole (float32)
 # worker thread (two) may still be alive: measured here, the peak moves by exactly one unit
 # between runs, with the garbage collector off too. The old path's whole copy is 12 units.
 SLACK_UNITS = 4
-
-
-def _net() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    return nn.Sequential(*layers)
 
 
 class Regression(Problem):
@@ -51,7 +44,7 @@ def _step_peak(strategy: str, options: dict[str, Any]) -> int:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4 * BATCH, WIDTH, generator=g),
                          torch.randn(4 * BATCH, WIDTH, generator=g))
-    net = _net()
+    net = wide_net(WIDTH, DEPTH)
     problem = Regression("regression", net, torch.optim.SGD(net.parameters(), lr=0.01,
                                                             momentum=0.9),
                          train_data_loader=DataLoader(data, batch_size=BATCH // n))

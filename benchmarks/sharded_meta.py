@@ -178,8 +178,10 @@ def _time_body(path: str, width: int, depth: int, batch: int, steps: int, warmup
     return {"time": statistics.median(times), "ops": ops}
 
 
-def _times(args: argparse.Namespace, batch: int) -> tuple[dict[str, float], dict[str, Any]]:
-    """Each path's median over ``--rounds`` launches, the paths' launches taking turns."""
+def _times(args: argparse.Namespace, batch: int
+           ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Each path's launch medians over ``--rounds`` launches, the paths' launches taking
+    turns."""
     samples: dict[str, list[float]] = {"sharded": [], "gathered": []}
     ops: dict[str, Any] = {}
     for i in range(args.rounds):
@@ -189,7 +191,7 @@ def _times(args: argparse.Namespace, batch: int) -> tuple[dict[str, float], dict
                                   threads=1, timeout=3000)[0]
             samples[path].append(res["time"])
             ops = res["ops"] or ops
-    return {path: statistics.median(ts) for path, ts in samples.items()}, ops
+    return samples, ops
 
 
 def _expected_calls(units: int, saved: int) -> dict[str, int]:
@@ -234,6 +236,86 @@ def _largest(out: Results, mem: dict[tuple[str, str, int], dict[str, float]], pa
     return records
 
 
+def _memory_tables(out: Results, args: argparse.Namespace) -> None:
+    """Per-rank peak growth of each configuration, and the largest model a budget allows."""
+    shape = (args.width, args.depth, args.batch)
+    params = args.depth * args.width * (args.width + 1)
+    unit_mib = args.width * (args.width + 1) * 4 / MIB
+    runs = [("ddp", "gathered", n, 1) for n in (1, 2, 4)]
+    runs += [("zero3", path, n, 1) for path in ("gathered", "sharded") for n in (1, 2, 4)]
+    runs += [("hsdp", "sharded", 4, 2)]
+    mem = {}
+    with _resident_follows_tensors():
+        for strategy, path, n, nodes in runs:
+            mem[(strategy, path, n)] = metadist.launch(
+                _memory_body, n, args=(strategy, path, *shape), threads=1, nnodes=nodes,
+                timeout=3000)[0]
+    one = mem[("ddp", "gathered", 1)]["rss_max"]
+    one_live = mem[("ddp", "gathered", 1)]["live_max"]
+    out.heading(f"per-rank peak growth of one meta-step: MLP {args.depth} x {args.width} "
+                f"({params * 4 / MIB:.0f} MiB float32), {K} inner steps with create_graph, "
+                f"global batch {args.batch}, gloo, 1 thread per rank")
+    rows: list[tuple[Any, ...]] = []
+    records = []
+    for (strategy, path, n), m in mem.items():
+        factor = 2 if strategy == "hsdp" else n
+        bound = 1.2 * one_live / factor + 2 * unit_mib
+        label = "2 x 2" if strategy == "hsdp" else str(n)
+        rows.append((strategy, path, label, f"{m['rss_min']:.0f}-{m['rss_max']:.0f}",
+                     f"{m['live_min']:.0f}-{m['live_max']:.0f}", f"{bound:.0f}",
+                     "yes" if m["live_max"] <= bound else "no", f"{m['kept_max']:.1f}"))
+        records.append({"strategy": strategy, "path": path, "ranks": label,
+                        "rss_mib": [m["rss_min"], m["rss_max"]],
+                        "live_mib": [m["live_min"], m["live_max"]], "bound_mib": bound,
+                        "kept_mib": m["kept_max"]})
+    out.table(["strategy", "fast weights", "ranks", "resident growth MiB (min-max rank)",
+               "live storages MiB (min-max rank)", "bound MiB (live)", "within",
+               "MiB left alive by 2 more meta-steps (max rank)"],
+              rows, key="memory")
+    out.note(f"bound: 1.2 x (ddp's live growth at N = 1: {one_live:.0f} MiB) / N + twice "
+             f"the largest unit ({unit_mib:.1f} MiB each); hsdp at its shard factor 2. "
+             f"ddp's resident growth at N = 1: {one:.0f} MiB.")
+    out.data["memory"] = records
+    out.data["largest"] = _largest(out, mem, params, args.budget_gib)
+
+
+def _time_tables(out: Results, args: argparse.Namespace) -> None:
+    """The N = 2 meta-step times of both paths, and the collectives of a sharded one."""
+    rows: list[tuple[Any, ...]] = []
+    timing = []
+    for batch in (int(b) for b in args.time_batches.split(",")):
+        launches, ops = _times(args, batch)
+        t = {path: statistics.median(ts) for path, ts in launches.items()}
+        spread = "; ".join(f"{path} {min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f}"
+                           for path, ts in launches.items())
+        rows.append((batch, t["sharded"] * 1e3, t["gathered"] * 1e3,
+                     f"{t['sharded'] / t['gathered']:.2f}", spread))
+        timing.append({"batch": batch, "sharded_ms": t["sharded"] * 1e3,
+                       "gathered_ms": t["gathered"] * 1e3,
+                       "ratio": t["sharded"] / t["gathered"],
+                       "launch_ms": {p: [x * 1e3 for x in ts] for p, ts in launches.items()}})
+    out.heading(f"meta-step time at N = 2, zero3 (each path in its own processes: "
+                f"medians of {args.steps} steps, then of {args.rounds} launches taking "
+                f"turns)")
+    out.table(["global batch", "sharded ms", "gathered ms", "time ratio sharded / gathered",
+               "launch medians ms (min-max)"], rows, key="time")
+    out.data["time"] = timing
+    expected = _expected_calls(args.depth, args.depth - 1)
+    unit_bytes = args.width * (args.width + 1) * 4
+    rows = []
+    for op, o in sorted(ops.items()):
+        want = expected.get(op)
+        ring = (want * unit_bytes / 2 if want is not None else None)  # (N-1)/N at N = 2
+        rows.append((op, o["calls"], want if want is not None else "-",
+                     f"{o['wire_bytes'] / MIB:.0f}",
+                     f"{ring / MIB:.0f}" if ring is not None else "-"))
+    out.heading("collectives of one sharded meta-step at N = 2")
+    out.table(["collective", "calls / meta-step", "calls / meta-step by the formula",
+               "MiB sent per rank (ring model)", "MiB for those calls' unit payloads"],
+              rows, key="traffic")
+    out.data["traffic"] = {"ops": ops, "expected_calls": expected}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,77 +330,15 @@ def main() -> None:
                     help="per-rank memory for the largest-model table")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="launches per path for the times")
+    ap.add_argument("--parts", default="memory,time",
+                    help="which tables: memory (and the largest model), time (and traffic)")
     output_args(ap)
     args = parse(ap, width=256, steps=2, warmup=1, time_batches="32", rounds=1)
-    shape = (args.width, args.depth, args.batch)
-    params = args.depth * args.width * (args.width + 1)
-    unit_mib = args.width * (args.width + 1) * 4 / MIB
     with Results("sharded_meta", args) as out:
-        runs = [("ddp", "gathered", n, 1) for n in (1, 2, 4)]
-        runs += [("zero3", path, n, 1) for path in ("gathered", "sharded") for n in (1, 2, 4)]
-        runs += [("hsdp", "sharded", 4, 2)]
-        mem = {}
-        with _resident_follows_tensors():
-            for strategy, path, n, nodes in runs:
-                mem[(strategy, path, n)] = metadist.launch(
-                    _memory_body, n, args=(strategy, path, *shape), threads=1, nnodes=nodes,
-                    timeout=3000)[0]
-        one = mem[("ddp", "gathered", 1)]["rss_max"]
-        one_live = mem[("ddp", "gathered", 1)]["live_max"]
-        out.heading(f"per-rank peak growth of one meta-step: MLP {args.depth} x {args.width} "
-                    f"({params * 4 / MIB:.0f} MiB float32), {K} inner steps with create_graph, "
-                    f"global batch {args.batch}, gloo, 1 thread per rank")
-        rows: list[tuple[Any, ...]] = []
-        records = []
-        for (strategy, path, n), m in mem.items():
-            factor = 2 if strategy == "hsdp" else n
-            bound = 1.2 * one_live / factor + 2 * unit_mib
-            label = "2 x 2" if strategy == "hsdp" else str(n)
-            rows.append((strategy, path, label, f"{m['rss_min']:.0f}-{m['rss_max']:.0f}",
-                         f"{m['live_min']:.0f}-{m['live_max']:.0f}", f"{bound:.0f}",
-                         "yes" if m["live_max"] <= bound else "no", f"{m['kept_max']:.1f}"))
-            records.append({"strategy": strategy, "path": path, "ranks": label,
-                            "rss_mib": [m["rss_min"], m["rss_max"]],
-                            "live_mib": [m["live_min"], m["live_max"]], "bound_mib": bound,
-                            "kept_mib": m["kept_max"]})
-        out.table(["strategy", "fast weights", "ranks", "resident growth MiB (min-max rank)",
-                   "live storages MiB (min-max rank)", "bound MiB (live)", "within",
-                   "MiB left alive by 2 more meta-steps (max rank)"],
-                  rows, key="memory")
-        out.note(f"bound: 1.2 x (ddp's live growth at N = 1: {one_live:.0f} MiB) / N + twice "
-                 f"the largest unit ({unit_mib:.1f} MiB each); hsdp at its shard factor 2. "
-                 f"ddp's resident growth at N = 1: {one:.0f} MiB.")
-        out.data["memory"] = records
-        out.data["largest"] = _largest(out, mem, params, args.budget_gib)
-        rows = []
-        timing = []
-        for batch in (int(b) for b in args.time_batches.split(",")):
-            t, ops = _times(args, batch)
-            rows.append((batch, t["sharded"] * 1e3, t["gathered"] * 1e3,
-                         f"{t['sharded'] / t['gathered']:.2f}"))
-            timing.append({"batch": batch, "sharded_ms": t["sharded"] * 1e3,
-                           "gathered_ms": t["gathered"] * 1e3,
-                           "ratio": t["sharded"] / t["gathered"]})
-        out.heading(f"meta-step time at N = 2, zero3 (each path in its own processes: "
-                    f"medians of {args.steps} steps, then of {args.rounds} launches taking "
-                    f"turns)")
-        out.table(["global batch", "sharded ms", "gathered ms", "time ratio sharded / gathered"],
-                  rows, key="time")
-        out.data["time"] = timing
-        expected = _expected_calls(args.depth, args.depth - 1)
-        unit_bytes = args.width * (args.width + 1) * 4
-        rows = []
-        for op, o in sorted(ops.items()):
-            want = expected.get(op)
-            ring = (want * unit_bytes / 2 if want is not None else None)  # (N-1)/N at N = 2
-            rows.append((op, o["calls"], want if want is not None else "-",
-                         f"{o['wire_bytes'] / MIB:.0f}",
-                         f"{ring / MIB:.0f}" if ring is not None else "-"))
-        out.heading("collectives of one sharded meta-step at N = 2")
-        out.table(["collective", "calls / meta-step", "calls / meta-step by the formula",
-                   "MiB sent per rank (ring model)", "MiB for those calls' unit payloads"],
-                  rows, key="traffic")
-        out.data["traffic"] = {"ops": ops, "expected_calls": expected}
+        if "memory" in args.parts:
+            _memory_tables(out, args)
+        if "time" in args.parts:
+            _time_tables(out, args)
 
 
 if __name__ == "__main__":

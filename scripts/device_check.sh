@@ -6,9 +6,10 @@
 # Every step is bounded by `timeout` and the next one runs whatever it returned (a device
 # session is too short to rerun for one failure); each logs to $OUT/<step>.log, and
 # $OUT/summary.log gets one stamped line per step with its exit status (124: timed out).
-# The limits add up to 540 s with their kill grace, so the whole pass fits a 600 s command.
+# All steps' limits add up to 760 s with their kill grace, more than one 600 s command:
+# ONLY="install torch test_gpu ..." runs the named steps alone, in this file's order.
 # Needs: torch with CUDA, pytest, pytest-xdist and pytest-timeout; no network (the peer
-# libraries of .peers/ are not needed: the CPU subset of step 5 runs none of their tests).
+# libraries of .peers/ are not needed: the CPU subset of step 6 runs none of their tests).
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -23,6 +24,9 @@ SUMMARY="$OUT/summary.log"
 step() {
     local name=$1 limit=$2 start rc
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return 0
+    fi
     start=$(date +%s)
     echo "[$(date -Is)] $name: start (limit ${limit}s): $*" | tee -a "$SUMMARY"
     (
@@ -44,8 +48,13 @@ torch.version.cuda, 'available', torch.cuda.is_available(), 'gpus', torch.cuda.d
 torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-', 'metadist', \
 metadist.__file__)"
 
-# 2. the CUDA tests (115 s)
-step test_gpu 150 python3 -m pytest -q -p no:cacheprovider --timeout 140 -rA tests/test_gpu.py
+# pytest-timeout bounds each test where the machine has it; `timeout` bounds every step.
+PER_TEST=()
+if python3 -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 140); fi
+
+# 2. the CUDA tests, four at a time on the one GPU (120 s)
+step test_gpu 150 python3 -m pytest -q -n 4 -p no:cacheprovider "${PER_TEST[@]}" -rA \
+    tests/test_gpu.py
 
 # 3. the step-time table, each case in its own process (185 s)
 step gpu_step 185 python3 -m benchmarks.gpu_step --device cuda --case-timeout 60 \
@@ -55,10 +64,15 @@ step gpu_step 185 python3 -m benchmarks.gpu_step --device cuda --case-timeout 60
 step bench 35 metadist bench --quick --device cuda --only maml_overhead,gpu_step \
     --timeout 25 --out "$OUT/bench"
 
-# 5. this torch build on the CPU: a subset of the suite that needs no peer library (90 s)
-step cpu_tests 80 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -x -n 12 -p no:cacheprovider \
-    --timeout 70 tests/test_ddp.py tests/test_zero.py tests/test_meta.py \
-    tests/test_fast_weights.py tests/test_checkpoint.py tests/test_precision.py \
-    tests/test_hypergrad.py
+# 5. the sharded meta-step's time against the gathered one at N = 2 on CPU ranks that each
+#    have a core of their own (on a 2-core machine gloo's threads compete with the ranks)
+step sharded_time 200 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.sharded_meta --parts time \
+    --time-batches 32,256 --rounds 2 --steps 4 --warmup 1 --json "$OUT/sharded_time.json"
+
+# 6. this torch build on the CPU: a subset of the suite that needs no peer library (90 s)
+step cpu_tests 100 env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -n 12 -p no:cacheprovider \
+    "${PER_TEST[@]}" tests/test_ddp.py tests/test_zero.py tests/test_meta.py \
+    tests/test_fast_weights.py tests/test_fast_hypergrad.py tests/test_zero3_graphs.py \
+    tests/test_checkpoint.py tests/test_precision.py tests/test_hypergrad.py
 
 echo "[$(date -Is)] done" | tee -a "$SUMMARY"

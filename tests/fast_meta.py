@@ -32,15 +32,16 @@ def net(seed: int = 0) -> nn.Module:
                          nn.Linear(7, 2))
 
 
-def tasks(step: int) -> list[tuple[torch.Tensor, ...]]:
-    """(x_support, y_support, x_query, y_query) of every task of one meta-step."""
+def tasks(step: int, device: torch.device | str = "cpu") -> list[tuple[torch.Tensor, ...]]:
+    """(x_support, y_support, x_query, y_query) of every task of one meta-step (drawn on
+    the CPU, then moved: the same numbers on every device)."""
     g = torch.Generator().manual_seed(500 + step)
     out = []
     for _ in range(TASKS):
         w = torch.randn(3, 2, generator=g)
         x = torch.randn(2 * SHOTS, 3, generator=g)
         y = torch.sin(x @ w)
-        out.append((x[:SHOTS], y[:SHOTS], x[SHOTS:], y[SHOTS:]))
+        out.append(tuple(t.to(device) for t in (x[:SHOTS], y[:SHOTS], x[SHOTS:], y[SHOTS:])))
     return out
 
 
@@ -48,13 +49,14 @@ def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((out - y) ** 2).mean()
 
 
-def reference(optimizer: str = "adam", update: str = "sgd") -> dict[str, torch.Tensor]:
-    model = net()
+def reference(optimizer: str = "adam", update: str = "sgd", device: torch.device | str = "cpu"
+              ) -> dict[str, torch.Tensor]:
+    model = net().to(device)
     opt = _optimizer(optimizer, model.parameters())
     for step in range(META_STEPS):
         opt.zero_grad()
-        total = torch.zeros(())
-        for xs, ys, xq, yq in tasks(step):
+        total = torch.zeros((), device=device)
+        for xs, ys, xq, yq in tasks(step, device):
             names = [n for n, _ in model.named_parameters()]
             fast = [p for _, p in model.named_parameters()]
             state = _start_state(fast, lambda t: [torch.zeros_like(p) for p in t])
@@ -111,15 +113,16 @@ def _slice(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
 
 def on_rank(strategy: str, options: dict[str, Any] | None = None,
             optimizer: str = "adam", update: str = "sgd") -> dict[str, torch.Tensor]:
-    """The cooperative program: the same lines under every strategy."""
+    """The cooperative program: the same lines under every strategy, on the rank's device."""
     s = metadist.strategy(strategy, **(options or {}))
     model = net()
     model, opt = s.setup(model, _optimizer(optimizer, model.parameters()))
     for step in range(META_STEPS):
         opt.zero_grad()
         start = model.fast_weights()
-        mine = _slice_tasks(tasks(step), start.group_index, start.groups)
-        total = torch.zeros(())
+        device = metadist.world().device
+        mine = _slice_tasks(tasks(step, device), start.group_index, start.groups)
+        total = torch.zeros((), device=device)
         for task in mine:  # this rank's slice of each set of the task
             xs, ys, xq, yq = (_slice(t, start.group_rank, start.group_size) for t in task)
             fast = start
@@ -235,8 +238,9 @@ def torchopt_on_rank(strategy: str, options: dict[str, Any] | None = None
     for step in range(META_STEPS):
         opt.zero_grad()
         start = model.fast_weights()
-        mine = _slice_tasks(tasks(step), start.group_index, start.groups)
-        total = torch.zeros(())
+        device = metadist.world().device
+        mine = _slice_tasks(tasks(step, device), start.group_index, start.groups)
+        total = torch.zeros((), device=device)
         for task in mine:
             xs, ys, xq, yq = (_slice(t, start.group_rank, start.group_size) for t in task)
             fast, state = start, inner_opt.init(start)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+import fast_meta
 import metadist
 from meta import INNER_LR, INNER_STEPS, META_STEPS, sinusoid_net, sinusoid_tasks
 from metadist.testing import bytes_kept_by
@@ -183,6 +184,16 @@ def maml(kind: str, strategy: str, options: dict[str, Any]) -> dict[str, Any]:
         lambda step: on_dev(sinusoid_tasks(step)[w.rank * per:(w.rank + 1) * per]))
     return {"plain": cpu(dict(plain.named_parameters())),
             "strategy": cpu(dict(model.full_parameters()))}
+
+
+def fast_maml(kind: str, strategy: str, options: dict[str, Any], update: str = "sgd"
+              ) -> dict[str, Any]:
+    """Cooperative second-order MAML through ``model.fast_weights()`` (tests/fast_meta.py:
+    shard fast weights under zero3, each unit gathered on this device) and one process's
+    plain torch on the whole batch on the same device; both parameter sets."""
+    dev = on(kind)
+    return {"plain": cpu(fast_meta.reference(update=update, device=dev)),
+            "strategy": cpu(fast_meta.on_rank(strategy, options, update=update))}
 
 
 def deferred(kind: str, strategy: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -239,6 +239,21 @@ def test_second_order_maml_on_two_gpus_matches_plain_torch(strategy: str,
         assert_tensors_close(got["strategy"], want["plain"], where)
 
 
+@pytest.mark.parametrize("update", ["sgd", "adam"])
+@pytest.mark.parametrize(("strategy", "options"), MAML_CASES)
+def test_fast_weights_maml_on_one_gpu_matches_plain_torch(strategy: str, options: dict[str, Any],
+                                                          update: str) -> None:
+    """model.fast_weights() on CUDA: under zero3 the shard path (gathers into CUDA buffers,
+    shards saved for backward and gathered again for the backward of a backward)."""
+    got = run_on_ranks(bodies.fast_maml, 1, args=("cuda", strategy, options, update),
+                       backend=None)[0]
+    diff, relative = _maml_difference(got, got["plain"])
+    where = (f"fast-weight MAML ({update}) {strategy} on {torch.cuda.get_device_name(0)}: "
+             f"max |strategy - plain torch| = {diff:.3g} ({relative:.3g} relative)")
+    print(where)
+    assert_tensors_close(got["strategy"], got["plain"], where)
+
+
 @pytest.mark.parametrize(("strategy", "options"), [
     ("ddp", {}), ("zero3", {"wrap_classes": (bodies.Block,)})])
 def test_deferred_init_materialises_on_cuda_as_eager_construction(

@@ -49,6 +49,11 @@ def test_checkpointing_body_trains_alike_and_keeps_less() -> None:
     assert got["checkpointed"]["held"] < got["plain"]["held"] / 2, got
 
 
+def test_fast_maml_body_against_plain_torch() -> None:
+    got = run_on_ranks(bodies.fast_maml, 1, args=("cpu", "zero3", SHARDED, "adam"))[0]
+    assert_tensors_close(got["strategy"], got["plain"], "fast-weight MAML zero3")
+
+
 @pytest.mark.parametrize(("strategy", "options"), [("ddp", {}), ("zero3", SHARDED)])
 def test_maml_body_against_plain_torch(strategy: str, options: dict[str, Any]) -> None:
     """Bit-equal to plain torch at world 1 on the CPU, zero3 too: its full_parameters() hands

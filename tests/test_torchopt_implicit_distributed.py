@@ -66,6 +66,8 @@ def test_custom_root_across_workers_equals_one_process(tmp_path: Path) -> None:
     start = [p.detach() for p in _program().build_model().parameters()]
     moved = max((p - q).abs().max().item() for p, q in zip(reference, start, strict=True))
     assert moved > 1e-3  # the meta-steps moved the parameters: the comparison means something
+    gaps = {name: max((p - r).abs().max().item() for p, r in zip(run, reference, strict=True))
+            for name, run in (("two workers", two["params"]), ("one worker", one["params"]))}
     for p, q, r in zip(two["params"], one["params"], reference, strict=True):
-        torch.testing.assert_close(p, r, **TOL)
-        torch.testing.assert_close(q, r, **TOL)
+        torch.testing.assert_close(p, r, **TOL, msg=lambda m: f"{m}\n{gaps}")
+        torch.testing.assert_close(q, r, **TOL, msg=lambda m: f"{m}\n{gaps}")

@@ -30,6 +30,7 @@ from metadist.meta import (
     hypergradient,
 )
 from metadist.meta.directional import ReinforceConfig, SamaConfig, adam_scale, sama
+from metadist.strategies.fast_weights import FastWeights
 from metadist.testing import run_on_ranks
 from parity import assert_tensors_close
 
@@ -199,11 +200,13 @@ class Level(Problem):
 class Recording(Engine):
     """Records, at every hypergradient, each problem's parameters and batch and the result."""
 
-    def _hypergradient(self, upper: Problem) -> dict[str, Tensor]:
+    def _hypergradient(self, upper: Problem) -> dict[str, Tensor] | FastWeights:
         grads = super()._hypergradient(upper)
         state = {n: (p.params(clone=True)["p"], p.batch[0].clone())
                  for n, p in self.problems.items()}
-        self.__dict__.setdefault("records", []).append((state, grads["p"].clone()))
+        # zero3/hsdp: the gradient of this rank's shard pieces; whole (a collective) to record
+        whole = grads.full() if isinstance(grads, FastWeights) else grads
+        self.__dict__.setdefault("records", []).append((state, whole["p"].detach().clone()))
         return grads
 
 

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from metadist.meta import fast_space
 from metadist.meta.directional import adam_scale
+from metadist.meta.fast_space import Hparams
 from metadist.meta.hypergrad import HypergradConfig, hypergradient
 from metadist.meta.methods import hypergradient_method
 from metadist.meta.problem import Problem, loss_of
@@ -38,10 +40,12 @@ def weighted(loss: Tensor, share: float) -> Tensor:
     return loss if share == 1.0 else loss * share
 
 
-def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor]:
+def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor] | FastWeights:
     """d(upper's loss)/d(upper's parameters) along every hypergradient path of ``upper``
-    (:attr:`Engine.paths`), averaged over ranks. The direct part is counted once."""
-    names, lam = _hparams(upper)
+    (:attr:`Engine.paths`), averaged over ranks. The direct part is counted once. Under
+    zero3/hsdp it is taken with respect to the upper problem's shard pieces, and returned
+    as fast weights of them: no rank holds the upper model whole."""
+    names, lam = _hparams(upper, pieces=True)
     total: list[Tensor] | None = None
     direct = True  # the first path that reaches upper's loss carries dF/dlam
     for path in engine.paths[upper.name]:
@@ -58,7 +62,7 @@ def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor]:
     if direct:  # no path carried it: the direct gradient at the current parameters
         lower = engine.problems[engine.paths[upper.name][0][1]]
         outer = _loss_fn(engine, upper, lower, upper, names, live=True, scale=True)
-        loss = outer(lower.inner_params(), lam)
+        loss = outer(lower.inner_params(), lam.tree())
         if not loss.requires_grad and total is None:
             first = [n for path in engine.paths[upper.name] for n in path[1:-1]
                      if engine.problems[n].config.first_order]
@@ -69,24 +73,27 @@ def upper_gradient(engine: Engine, upper: Problem) -> dict[str, Tensor]:
                 "True there (Betty's first_order is another setting: it sits on the upper "
                 "problem, and True keeps the response)")
         g = torch.autograd.grad(loss, lam, allow_unused=True, materialize_grads=True)
-        parts = tuple(engine._sync(g)) if engine._sync is not None else g
+        parts = fast_space.sync_lam(engine._sync, g, lam)
         total = list(parts) if total is None else [a + b for a, b in
                                                     zip(total, parts, strict=True)]
     assert total is not None
+    if lam.layout is not None:
+        return FastWeights(lam.layout, tuple(total))
     return dict(zip(names, total, strict=True))
 
 
 def path_gradient(engine: Engine, upper: Problem, chain: list[Problem], names: list[str],
-                  lam: tuple[Tensor, ...], *, direct: bool) -> tuple[Tensor, ...]:
+                  lam: Hparams, *, direct: bool) -> tuple[Tensor, ...]:
     """One path's term: upper's loss depends on ``chain[0]``, whose response depends on
     ``chain[1]``, ..., the last's on ``upper``. The first link runs its method on upper's
     loss; each later one applies its response product (:func:`~metadist.meta.response.
     response`) to the vector the previous link produced."""
     sync = engine._sync
     v: tuple[Tensor, ...] = ()
+    pieces = False  # v: pieces of curr's shards (the previous link's hyperparameters were)
     for i, curr in enumerate(chain):
         nxt = chain[i + 1] if i + 1 < len(chain) else upper
-        nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
+        nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt, pieces=True)
         method, config = method_of(curr, nxt)
         params = (curr._theta0 if hypergradient_method(method).replays_steps
                   else curr.inner_params(clone=not curr.replicated))
@@ -96,20 +103,29 @@ def path_gradient(engine: Engine, upper: Problem, chain: list[Problem], names: l
                              live=direct and nxt is upper, scale=True)
             v = hypergradient(method, outer, inner, params, nxt_lam, config, grad_sync=sync)
         else:
-            if isinstance(params, FastWeights):  # v: whole, in full_parameters()' order
+            if isinstance(params, FastWeights) and not pieces:  # v: whole, by name
                 v = params.like(dict(zip(params.layout.names, v, strict=True))).pieces
             v = response(method, v, inner, params, nxt_lam, config, grad_sync=sync)
+        pieces = nxt_lam.layout is not None
     return v
 
 
-def _hparams(problem: Problem) -> tuple[list[str], tuple[Tensor, ...]]:
+def _hparams(problem: Problem, *, pieces: bool = False) -> tuple[list[str], Hparams]:
     """A problem's parameters as hyperparameters: replicated strategies use the module's own
     leaf parameters (its own forward then needs no rebinding, and autograd.grad never
-    accumulates into them); zero3/hsdp clones of the gathered parameters, bound explicitly."""
-    start = (problem.wrapped.full_parameters() if problem.replicated
-             else problem.params(clone=True))
-    lam = tuple(t if problem.replicated else t.requires_grad_() for t in start.values())
-    return list(start), lam
+    accumulates into them); zero3/hsdp clones of this rank's shard pieces with ``pieces``
+    (bound as fast weights: each unit is gathered as its members run, and the gradients are
+    pieces too), else clones of the gathered parameters, bound explicitly."""
+    if problem.replicated:
+        start = problem.wrapped.full_parameters()
+        return list(start), Hparams(tuple(start.values()))
+    if pieces:
+        fast = problem.inner_params(clone=True)
+        assert isinstance(fast, FastWeights)
+        lam = fast_space.hparams_of(fast.requires_grad_())
+        return list(fast.layout.names), lam
+    whole = problem.params(clone=True)
+    return list(whole), Hparams(tuple(t.requires_grad_() for t in whole.values()))
 
 
 def method_of(lower: Problem, upper: Problem) -> tuple[str, HypergradConfig]:
@@ -189,7 +205,7 @@ def _loss_fn(engine: Engine, owner: Problem, theta_of: Problem, lam_of: Problem,
              names: list[str], *, live: bool, scale: bool) -> LossFn:
     """``owner``'s training loss with ``theta_of`` bound to theta and ``lam_of`` to lam
     (detached unless ``live``); the others run on parameters no gradient reaches."""
-    def loss(theta: Any, lam: tuple[Tensor, ...]) -> Tensor:
+    def loss(theta: Any, lam: tuple[Tensor, ...] | FastWeights) -> Tensor:
         with engine._bound({theta_of.name: theta,
                             lam_of.name: _lam(lam_of, names, lam, live)}):
             out = weighted(loss_of(owner.training_step(owner.batch), owner.name),
@@ -207,7 +223,7 @@ def _inner_fn(engine: Engine, upper: Problem, lower: Problem, names: list[str]) 
     steps: Iterator[list[tuple[Any, float]]] | None = (
         iter(lower._record) if lower.name in engine._replays else None)
 
-    def inner(theta: Any, lam: tuple[Tensor, ...]) -> Any:
+    def inner(theta: Any, lam: tuple[Tensor, ...] | FastWeights) -> Any:
         batches = next(steps) if steps is not None else [(lower.batch, lower.batch_share)]
         with engine._bound({lower.name: theta, upper.name: _lam(upper, names, lam, True)}):
             outs = [lower.training_step(b) for b, _ in batches]
@@ -233,10 +249,13 @@ def _samples(outs: list[Any], shares: list[float], who: str) -> dict[str, Tensor
             for k in ("losses", "log_prob") if k in out}
 
 
-def _lam(upper: Problem, names: list[str], lam: tuple[Tensor, ...], live: bool
-         ) -> dict[str, Tensor] | None:
+def _lam(upper: Problem, names: list[str], lam: tuple[Tensor, ...] | FastWeights, live: bool
+         ) -> dict[str, Tensor] | FastWeights | None:
     """How the upper problem runs: its own forward when ``lam`` are its own parameters (None),
-    else bound to ``lam``, detached unless ``live``."""
+    else bound to ``lam`` (by name, or as fast weights when they are its shard pieces),
+    detached unless ``live``."""
     if live and upper.replicated:
         return None
+    if isinstance(lam, FastWeights):  # the upper's shard pieces (Hparams.tree())
+        return lam if live else lam.detach()
     return dict(zip(names, lam if live else tuple(t.detach() for t in lam), strict=True))

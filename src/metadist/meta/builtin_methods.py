@@ -20,6 +20,7 @@ from metadist.meta.directional import (
     sama,
     scaled,
 )
+from metadist.meta.fast_space import HparamsLike
 from metadist.meta.hypergrad import (
     CGConfig,
     DartsConfig,
@@ -85,7 +86,7 @@ class Darts(HypergradientMethod):
     compute = staticmethod(darts)
 
     def response(self, v: Sequence[Tensor], inner_loss_fn: LossFn, params: Any,
-                 hparams: Sequence[Tensor] | Tensor, config: Any = None, *,
+                 hparams: HparamsLike, config: Any = None, *,
                  grad_sync: GradSync | None = None, solve: Solve | None = None
                  ) -> tuple[Tensor, ...]:
         theta, spec, lam = _prepare(params, hparams)
@@ -108,7 +109,7 @@ class _Implicit(HypergradientMethod):
         """The inverse-Hessian solve ``config`` describes."""
 
     def response(self, v: Sequence[Tensor], inner_loss_fn: LossFn, params: Any,
-                 hparams: Sequence[Tensor] | Tensor, config: Any = None, *,
+                 hparams: HparamsLike, config: Any = None, *,
                  grad_sync: GradSync | None = None, solve: Solve | None = None
                  ) -> tuple[Tensor, ...]:
         theta, spec, lam = _prepare(params, hparams)
@@ -152,7 +153,7 @@ class Sama(HypergradientMethod):
     keeps_last_grads = True
 
     def response(self, v: Sequence[Tensor], inner_loss_fn: LossFn, params: Any,
-                 hparams: Sequence[Tensor] | Tensor, config: Any = None, *,
+                 hparams: HparamsLike, config: Any = None, *,
                  grad_sync: GradSync | None = None, solve: Solve | None = None
                  ) -> tuple[Tensor, ...]:
         theta, spec, lam = _prepare(params, hparams)
@@ -178,7 +179,7 @@ class Reinforce(HypergradientMethod):
     per_sample_inner = True
 
     def response(self, v: Sequence[Tensor], inner_loss_fn: LossFn, params: Any,
-                 hparams: Sequence[Tensor] | Tensor, config: Any = None, *,
+                 hparams: HparamsLike, config: Any = None, *,
                  grad_sync: GradSync | None = None, solve: Solve | None = None
                  ) -> tuple[Tensor, ...]:
         theta, spec, lam = _prepare(params, hparams)

@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from metadist.meta import fast_space
+from metadist.meta.fast_space import Hparams, HparamsLike
 from metadist.meta.optim import GradSync
 
 LossFn = Callable[[Any, tuple[Tensor, ...]], Any]
@@ -84,17 +85,6 @@ def _flat(params: Any) -> tuple[list[Tensor], Any]:
     return [p.detach().requires_grad_(True) for p in leaves], spec
 
 
-def _lam(hparams: Sequence[Tensor] | Tensor) -> tuple[Tensor, ...]:
-    lam = (hparams,) if isinstance(hparams, Tensor) else tuple(hparams)
-    if not lam or not all(isinstance(h, Tensor) and h.requires_grad for h in lam):
-        raise ValueError("hparams must be a non-empty tuple of tensors with requires_grad=True")
-    return lam
-
-
-def _sync(grad_sync: GradSync | None, tensors: Sequence[Tensor]) -> list[Tensor]:
-    return list(fast_space.sync(grad_sync, tensors))
-
-
 def _grad(out: Tensor, inputs: Sequence[Tensor]) -> tuple[Tensor, ...]:
     return torch.autograd.grad(out, list(inputs), allow_unused=True, materialize_grads=True)
 
@@ -126,32 +116,33 @@ def _shifted(theta: list[Tensor], v: Sequence[Tensor], eps: float) -> tuple[list
                 list(torch._foreach_add(theta, list(v), alpha=-eps)))
 
 
-def outer_grads(outer_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
+def outer_grads(outer_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: Hparams,
                 grad_sync: GradSync | None) -> tuple[list[Tensor], list[Tensor]]:
     """(dF/dtheta, dF/dlam) at ``theta``, synced together."""
-    with fast_space.over(spec):
-        f = outer_loss_fn(tree_unflatten(theta, spec), lam)
-        both = fast_space.sync_split(grad_sync, _grad(f, [*theta, *lam]), len(theta), spec)
+    with fast_space.over(spec, lam):
+        f = outer_loss_fn(tree_unflatten(theta, spec), lam.tree())
+        both = fast_space.sync_split(grad_sync, _grad(f, [*theta, *lam]), len(theta), spec,
+                                     lam)
     return list(both[:len(theta)]), list(both[len(theta):])
 
 
-def mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
+def mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: Hparams,
              w: Sequence[Tensor], r: float, grad_sync: GradSync | None, *,
              sign: float = 1.0) -> list[Tensor]:
     """sign * M.w ~ sign * (dG/dlam(theta + eps w) - dG/dlam(theta - eps w)) / (2 eps),
     eps = r / |w| (both sides synced in one collective; the sign folded into the division)."""
-    with fast_space.over(spec):
+    with fast_space.over(spec, lam):
         return _mixed_fd(inner_loss_fn, theta, spec, lam, w, r, grad_sync, sign)
 
 
-def _mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[Tensor, ...],
+def _mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: Hparams,
               w: Sequence[Tensor], r: float, grad_sync: GradSync | None, sign: float
               ) -> list[Tensor]:
     eps = r / (_norm(w) + _TINY)
     plus, minus = _shifted(theta, w, eps)
-    g_plus = _grad(inner_loss_fn(tree_unflatten(plus, spec), lam), lam)
-    g_minus = _grad(inner_loss_fn(tree_unflatten(minus, spec), lam), lam)
-    both = _sync(grad_sync, [*g_plus, *g_minus])
+    g_plus = _grad(inner_loss_fn(tree_unflatten(plus, spec), lam.tree()), lam)
+    g_minus = _grad(inner_loss_fn(tree_unflatten(minus, spec), lam.tree()), lam)
+    both = fast_space.sync_lam(grad_sync, [*g_plus, *g_minus], lam)
     n = len(lam)
     diff = torch._foreach_sub(both[:n], both[n:])
     torch._foreach_div_(diff, sign * 2 * eps)
@@ -159,12 +150,12 @@ def _mixed_fd(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any, lam: tuple[
 
 
 def sama(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-         hparams: Sequence[Tensor] | Tensor, config: SamaConfig | None = None, *,
+         hparams: HparamsLike, config: SamaConfig | None = None, *,
          grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """gF_lam - M.(P v) at the current ``params`` (module docstring)."""
     cfg = config or SamaConfig()
     theta, spec = _flat(params)
-    lam = _lam(hparams)
+    lam = fast_space.hparams_of(hparams)
     v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
     v = scaled(v, fast_space.laid_out(cfg.scale, spec))
     with fast_space.over(spec):
@@ -189,19 +180,19 @@ def _samples(out: Any, which: str) -> tuple[Tensor, Tensor]:
 
 
 def reinforce(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-              hparams: Sequence[Tensor] | Tensor, config: ReinforceConfig | None = None, *,
+              hparams: HparamsLike, config: ReinforceConfig | None = None, *,
               grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """gF_lam - xi * (score-function estimate of M.v) at the current ``params``."""
     cfg = config or ReinforceConfig()
     theta, spec = _flat(params)
-    lam = _lam(hparams)
+    lam = fast_space.hparams_of(hparams)
     v, direct = outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
     score = reinforce_product(inner_loss_fn, theta, spec, lam, v, cfg, grad_sync)
     return tuple((g - s).detach() for g, s in zip(direct, score, strict=True))
 
 
 def reinforce_product(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any,
-                      lam: tuple[Tensor, ...], v: Sequence[Tensor], cfg: ReinforceConfig,
+                      lam: Hparams, v: Sequence[Tensor], cfg: ReinforceConfig,
                       grad_sync: GradSync | None) -> list[Tensor]:
     """xi * (score-function estimate of M.v) at ``theta``."""
     with fast_space.over(spec):
@@ -211,9 +202,9 @@ def reinforce_product(inner_loss_fn: LossFn, theta: list[Tensor], spec: Any,
     eps = cfg.r / (norm + _TINY)
     plus, minus = _shifted(theta, v, eps)
     with torch.no_grad():
-        l_plus, _ = _samples(inner_loss_fn(tree_unflatten(plus, spec), lam), "shifted")
-        l_minus, _ = _samples(inner_loss_fn(tree_unflatten(minus, spec), lam), "shifted")
+        l_plus, _ = _samples(inner_loss_fn(tree_unflatten(plus, spec), lam.tree()), "shifted")
+        l_minus, _ = _samples(inner_loss_fn(tree_unflatten(minus, spec), lam.tree()), "shifted")
     d = (l_plus - l_minus) / (2 * eps)
-    _, log_prob = _samples(inner_loss_fn(tree_unflatten(theta, spec), lam), "current")
-    score = _sync(grad_sync, _grad((d.detach() * log_prob).mean(), lam))
+    _, log_prob = _samples(inner_loss_fn(tree_unflatten(theta, spec), lam.tree()), "current")
+    score = fast_space.sync_lam(grad_sync, _grad((d.detach() * log_prob).mean(), lam), lam)
     return [cfg.xi * s for s in score]

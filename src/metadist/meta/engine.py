@@ -41,6 +41,7 @@ from metadist.meta.methods import hypergradient_method
 from metadist.meta.problem import Problem, loss_of
 from metadist.runtime.world import init
 from metadist.strategies.base import strategy as make_strategy
+from metadist.strategies.fast_weights import FastWeights
 
 Dependencies = Mapping[str, Mapping[Problem | str, Sequence[Problem | str] | Problem | str]]
 _UNSET = object()
@@ -228,7 +229,10 @@ class Engine:
         boundary = p.micro_steps % gas == 0
         if self.u2l[p.name]:
             grads = self._hypergradient(p)
-            p.accumulate_grads({n: g / gas for n, g in grads.items()} if gas > 1 else grads)
+            if gas > 1:
+                grads = (grads / gas if isinstance(grads, FastWeights)
+                         else {n: g / gas for n, g in grads.items()})
+            p.accumulate_grads(grads)
             if self._logging:
                 p.last_loss = self._evaluate(p)
         else:
@@ -281,7 +285,8 @@ class Engine:
                 self._step(upper)
 
     @contextmanager
-    def _bound(self, explicit: Mapping[str, Mapping[str, Tensor] | None]) -> Iterator[None]:
+    def _bound(self, explicit: Mapping[str, Mapping[str, Tensor] | FastWeights | None]
+               ) -> Iterator[None]:
         """Within: problem ``n`` runs on ``explicit[n]`` (``None``: on its own parameters), and
         every other problem on parameters no gradient may reach: its own, untouched, for
         replicated strategies (callers differentiate only with respect to what they train:
@@ -311,7 +316,7 @@ class Engine:
                 stack.enter_context(problem.bound(params))  # type: ignore[arg-type]
             yield
 
-    def _hypergradient(self, upper: Problem) -> dict[str, Tensor]:
+    def _hypergradient(self, upper: Problem) -> dict[str, Tensor] | FastWeights:
         return upper_gradient(self, upper)
 
     def _evaluate(self, p: Problem) -> Tensor:

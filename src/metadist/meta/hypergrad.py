@@ -10,7 +10,10 @@ M.v = d/dlam (dG/dtheta . v). Every method here has the signature
 
 with ``outer_loss_fn(params, hparams) -> F`` and ``inner_loss_fn(params, hparams) -> G``
 (scalars), ``params`` a pytree (tuple, dict, ...) of tensors in the layout the loss functions
-take, and ``hparams`` a tuple of tensors that require grad. The results carry no graph.
+take, and ``hparams`` a tuple of tensors that require grad, or fast weights (another model's
+``fast_weights().detach().requires_grad_()``: the loss functions get them as fast weights,
+and under zero3/hsdp the results are their pieces' gradients, in order; fast_space.py).
+The results carry no graph.
 ``params`` is the inner solution for ``neumann`` and ``cg``, the current inner iterate for
 ``darts`` and the starting point of the inner loop for ``unrolled``; the caller's tensors are
 never modified and gain no ``.grad``. :func:`hypergradient` picks a registered method by name
@@ -44,6 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from metadist.meta import fast_space
 from metadist.meta.directional import ReinforceConfig, SamaConfig
+from metadist.meta.fast_space import Hparams, HparamsLike
 from metadist.meta.methods import Solve, Vec, hypergradient_method
 from metadist.meta.optim import GradSync
 from metadist.meta.transforms import Transformation, apply_updates, sgd
@@ -121,12 +125,9 @@ HypergradConfig = (UnrolledConfig | DartsConfig | NeumannConfig | CGConfig | Sam
 
 
 # ----- shared pieces -------------------------------------------------------------------------
-def _prepare(params: Any, hparams: Sequence[Tensor] | Tensor
-             ) -> tuple[Vec, Any, tuple[Tensor, ...]]:
-    lam = (hparams,) if isinstance(hparams, Tensor) else tuple(hparams)
-    if not lam or not all(isinstance(h, Tensor) and h.requires_grad for h in lam):
-        raise ValueError("hparams must be a non-empty tuple of tensors with requires_grad=True "
-                         "(e.g. (log_decay,) with log_decay.requires_grad_())")
+def _prepare(params: Any, hparams: HparamsLike
+             ) -> tuple[Vec, Any, Hparams]:
+    lam = fast_space.hparams_of(hparams)
     leaves, spec = tree_flatten(params)
     if not leaves or not all(isinstance(p, Tensor) for p in leaves):
         raise TypeError("params must be a non-empty tuple/dict (pytree) of tensors")
@@ -134,9 +135,6 @@ def _prepare(params: Any, hparams: Sequence[Tensor] | Tensor
     # tensors (e.g. a model's parameters) must not gain .grad or history here.
     theta = [p.detach().requires_grad_(True) for p in leaves]
     return theta, spec, lam
-
-
-_sync = fast_space.sync
 
 
 def _grad(out: Tensor, inputs: Sequence[Tensor], grad_outputs: Sequence[Tensor] | None = None,
@@ -161,33 +159,33 @@ def _dot(a: Vec, b: Vec) -> Tensor:
     return fast_space.over_theta(local)  # over every shard where theta is shard pieces
 
 
-def _outer_grads(outer_loss_fn: LossFn, theta: Vec, spec: Any, lam: tuple[Tensor, ...],
+def _outer_grads(outer_loss_fn: LossFn, theta: Vec, spec: Any, lam: Hparams,
                  grad_sync: GradSync | None) -> tuple[Vec, Vec]:
     """(gF_theta, gF_lam), synced together in one call."""
-    f = _scalar(outer_loss_fn(tree_unflatten(theta, spec), lam), "outer_loss_fn")
-    both = fast_space.sync_split(grad_sync, _grad(f, [*theta, *lam]), len(theta), spec)
+    f = _scalar(outer_loss_fn(tree_unflatten(theta, spec), lam.tree()), "outer_loss_fn")
+    both = fast_space.sync_split(grad_sync, _grad(f, [*theta, *lam]), len(theta), spec, lam)
     return list(both[:len(theta)]), list(both[len(theta):])
 
 
 # ----- implicit methods ------------------------------------------------------------------------
 def implicit(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-             hparams: Sequence[Tensor] | Tensor, grad_sync: GradSync | None,
+             hparams: HparamsLike, grad_sync: GradSync | None,
              solve: Solve) -> tuple[Tensor, ...]:
     """gF_lam - M.inv(H) gF_theta at the inner solution, ``solve(hvp, v) ~ inv(H) v``
     (``hvp(w)`` is the synced H.w): the frame :func:`neumann` and :func:`cg` fill in."""
     theta, spec, lam = _prepare(params, hparams)
-    with fast_space.over(spec):
+    with fast_space.over(spec, lam):
         v, direct = _outer_grads(outer_loss_fn, theta, spec, lam, grad_sync)
         mixed = implicit_product(v, inner_loss_fn, theta, spec, lam, grad_sync, solve)
     return tuple((d - m).detach() for d, m in zip(direct, mixed, strict=True))
 
 
 def implicit_product(v: Vec, inner_loss_fn: LossFn, theta: Vec, spec: Any,
-                     lam: tuple[Tensor, ...], grad_sync: GradSync | None, solve: Solve
+                     lam: Hparams, grad_sync: GradSync | None, solve: Solve
                      ) -> tuple[Tensor, ...]:
     """M.solve(H, v) at ``theta`` (fresh leaves), every product synced."""
-    with fast_space.over(spec):
-        inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
+    with fast_space.over(spec, lam):
+        inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam.tree()), "inner_loss_fn")
         # This rank's dG/dtheta with its graph: every H.v and M.v differentiate it again,
         # locally, and the products (not dG/dtheta) are synced, so each is the global one.
         g = _grad(inner, theta, create_graph=True)
@@ -195,7 +193,7 @@ def implicit_product(v: Vec, inner_loss_fn: LossFn, theta: Vec, spec: Any,
         def hvp(w: Vec) -> Vec:
             return list(fast_space.sync_theta(grad_sync, _grad_of(g, theta, w), spec))
 
-        return _sync(grad_sync, _grad_of(g, lam, solve(hvp, v)))
+        return fast_space.sync_lam(grad_sync, _grad_of(g, lam, solve(hvp, v)), lam)
 
 
 def _grad_of(g: Sequence[Tensor], inputs: Sequence[Tensor], w: Vec) -> tuple[Tensor, ...]:
@@ -287,7 +285,7 @@ def cg_solve(cfg: CGConfig) -> Solve:
 
 
 def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-            hparams: Sequence[Tensor] | Tensor, config: NeumannConfig | None = None, *,
+            hparams: HparamsLike, config: NeumannConfig | None = None, *,
             grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """Implicit hypergradient at the inner solution ``params``, inv(H) by a truncated
     Neumann series (:class:`NeumannConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v
@@ -299,7 +297,7 @@ def neumann(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
 
 
 def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-       hparams: Sequence[Tensor] | Tensor, config: CGConfig | None = None, *,
+       hparams: HparamsLike, config: CGConfig | None = None, *,
        grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """Implicit hypergradient at the inner solution ``params``, inv(H) gF_theta by conjugate
     gradient (:class:`CGConfig`). ``grad_sync`` syncs gF_theta, gF_lam, every H.v and M.v, so
@@ -310,21 +308,21 @@ def cg(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
 
 # ----- DARTS -------------------------------------------------------------------------------------
 def darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-          hparams: Sequence[Tensor] | Tensor, config: DartsConfig | None = None, *,
+          hparams: HparamsLike, config: DartsConfig | None = None, *,
           grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """DARTS' finite-difference hypergradient from the current inner ``params``
     (:class:`DartsConfig`). ``grad_sync`` syncs the virtual step's dG/dw, dF/dw', gF_lam and
     both dG/dlam(w +- eps v), so the result is the global-batch approximation."""
     cfg = config or DartsConfig()
     theta, spec, lam = _prepare(params, hparams)
-    with fast_space.over(spec):
+    with fast_space.over(spec, lam):
         return _darts(outer_loss_fn, inner_loss_fn, theta, spec, lam, cfg, grad_sync)
 
 
 def _darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, theta: Vec, spec: Any,
-           lam: tuple[Tensor, ...], cfg: DartsConfig, grad_sync: GradSync | None
+           lam: Hparams, cfg: DartsConfig, grad_sync: GradSync | None
            ) -> tuple[Tensor, ...]:
-    inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam), "inner_loss_fn")
+    inner = _scalar(inner_loss_fn(tree_unflatten(theta, spec), lam.tree()), "inner_loss_fn")
     step = fast_space.sync_theta(grad_sync, _grad(inner, theta), spec)
     virtual = [(p - cfg.xi * s).detach().requires_grad_(True)
                for p, s in zip(theta, step, strict=True)]
@@ -336,10 +334,11 @@ def _darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, theta: Vec, spec: Any,
     with torch.no_grad():
         plus = [p + eps * vi for p, vi in zip(theta, v, strict=True)]
         minus = [p - eps * vi for p, vi in zip(theta, v, strict=True)]
-    g_plus = _grad(_scalar(inner_loss_fn(tree_unflatten(plus, spec), lam), "inner_loss_fn"), lam)
-    g_minus = _grad(_scalar(inner_loss_fn(tree_unflatten(minus, spec), lam), "inner_loss_fn"),
-                    lam)
-    both = _sync(grad_sync, [*g_plus, *g_minus])  # one collective for both sides
+    g_plus = _grad(_scalar(inner_loss_fn(tree_unflatten(plus, spec), lam.tree()),
+                           "inner_loss_fn"), lam)
+    g_minus = _grad(_scalar(inner_loss_fn(tree_unflatten(minus, spec), lam.tree()),
+                            "inner_loss_fn"), lam)
+    both = fast_space.sync_lam(grad_sync, [*g_plus, *g_minus], lam)  # one collective
     n = len(lam)
     return tuple((d - cfg.xi * (gp - gm) / (2 * eps)).detach()
                  for d, gp, gm in zip(direct, both[:n], both[n:], strict=True))
@@ -347,30 +346,30 @@ def _darts(outer_loss_fn: LossFn, inner_loss_fn: LossFn, theta: Vec, spec: Any,
 
 # ----- unrolled ----------------------------------------------------------------------------------
 def unrolled(outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-             hparams: Sequence[Tensor] | Tensor, config: UnrolledConfig | None = None, *,
+             hparams: HparamsLike, config: UnrolledConfig | None = None, *,
              grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """Reverse-mode hypergradient through ``config.steps`` differentiable inner updates from
     the initial ``params`` (:class:`UnrolledConfig`). ``grad_sync`` syncs every inner gradient
     (differentiably) and the final dF/dlam, so the result is the global-batch hypergradient."""
     cfg = config or UnrolledConfig()
     theta, spec, lam = _prepare(params, hparams)
-    with fast_space.over(spec):
+    with fast_space.over(spec, lam):
         tree = tree_unflatten(theta, spec)
         state = cfg.optimizer.init(tree)
         for _ in range(cfg.steps):
-            inner = _scalar(inner_loss_fn(tree, lam), "inner_loss_fn")
+            inner = _scalar(inner_loss_fn(tree, lam.tree()), "inner_loss_fn")
             grads = fast_space.sync_theta(
                 grad_sync, _grad(inner, tree_flatten(tree)[0], create_graph=True), spec)
             updates, state = cfg.optimizer.update(tree_unflatten(list(grads), spec), state,
                                                   params=tree)
             tree = apply_updates(tree, updates)
-        outer = _scalar(outer_loss_fn(tree, lam), "outer_loss_fn")
-        return tuple(g.detach() for g in _sync(grad_sync, _grad(outer, lam)))
+        outer = _scalar(outer_loss_fn(tree, lam.tree()), "outer_loss_fn")
+        return tuple(g.detach() for g in fast_space.sync_lam(grad_sync, _grad(outer, lam), lam))
 
 
 # ----- by name ----------------------------------------------------------------------------------
 def hypergradient(method: str, outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-                  hparams: Sequence[Tensor] | Tensor, config: HypergradConfig | None = None, *,
+                  hparams: HparamsLike, config: HypergradConfig | None = None, *,
                   grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
     """The hypergradient of a registered method by name (:func:`unrolled`, :func:`darts`,
     :func:`neumann`, :func:`cg`, :func:`~metadist.meta.directional.sama`,

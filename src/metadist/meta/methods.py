@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from torch import Tensor
 
+from metadist.meta.fast_space import HparamsLike
 from metadist.meta.optim import GradSync
 
 if TYPE_CHECKING:
@@ -66,14 +67,14 @@ class HypergradientMethod(ABC):
     compute: ClassVar[Callable[..., tuple[Tensor, ...]]]
 
     def hypergradient(self, outer_loss_fn: LossFn, inner_loss_fn: LossFn, params: Any,
-                      hparams: Sequence[Tensor] | Tensor, config: Any = None, *,
+                      hparams: HparamsLike, config: Any = None, *,
                       grad_sync: GradSync | None = None) -> tuple[Tensor, ...]:
         """d outer / d hparams through the inner problem, with this method's config."""
         return self.compute(outer_loss_fn, inner_loss_fn, params, hparams,
                             self.config_of(config), grad_sync=grad_sync)
 
     def response(self, v: Sequence[Tensor], inner_loss_fn: LossFn, params: Any,
-                 hparams: Sequence[Tensor] | Tensor, config: Any = None, *,
+                 hparams: HparamsLike, config: Any = None, *,
                  grad_sync: GradSync | None = None, solve: Solve | None = None
                  ) -> tuple[Tensor, ...]:
         """-M.A.v (see meta/response.py): by default the hypergradient of the linear outer

@@ -268,12 +268,17 @@ class Problem(ABC):
         finally:
             self._bound_params = outer
 
-    def accumulate_grads(self, grads: Mapping[str, Tensor], *, owned: bool = False) -> None:
+    def accumulate_grads(self, grads: Mapping[str, Tensor] | FastWeights, *,
+                         owned: bool = False) -> None:
         """Add ``grads`` (full-parameter gradients, identical on every rank, already averaged
-        over ranks) into the ``.grad`` of exactly the tensors this problem's optimizer steps,
+        over ranks; or, under zero3/hsdp, gradients of this problem's shard pieces as fast
+        weights) into the ``.grad`` of exactly the tensors this problem's optimizer steps,
         with no collective: the reducer is bypassed so nothing is averaged twice. ``owned``:
         the tensors are the caller's to give away (fresh results), so none is copied."""
         stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        if isinstance(grads, FastWeights):
+            self._accumulate_pieces(grads, stepped)
+            return
         module = self.wrapped
         if self._placement.in_module:
             # The user's module holds every parameter whole: each gradient lands in the
@@ -311,6 +316,24 @@ class Problem(ABC):
             for part, g in pieces:
                 paste(part.on(buf), g.detach().reshape(-1)[part.start:part.stop])
             _add_grad(local, buf.view(local.shape), owned=True)
+
+    def _accumulate_pieces(self, grads: FastWeights, stepped: set[int]) -> None:
+        """Gradients of the shard pieces, each added to the flat shard it is a piece of."""
+        shards_of = getattr(grads.layout, "shards_of", None)
+        held = {id(q.local) for pl in self._placement.tensors for q in pl.parts}
+        if shards_of is None or not grads.layout.sharded:
+            raise TypeError(f"problem {self.name!r}: gradients as fast weights land only in "
+                            "zero3/hsdp shards; pass full-parameter gradients by name")
+        landing = shards_of(grads.pieces)
+        if any(id(shard) not in held for shard, _ in landing):
+            raise ValueError(f"problem {self.name!r}: these fast weights are not of this "
+                             "problem's module; pass the gradients of its own "
+                             "fast_weights()")
+        for shard, g in landing:
+            self._check_leaf(shard)
+            self.gradient_arrives(shard)
+            if id(shard) in stepped:
+                _add_grad(shard, g)
 
     def gradient_arrives(self, t: Tensor) -> None:
         """A gradient for all of ``t`` (one of :meth:`trainable`) is about to be written by

@@ -15,13 +15,14 @@ from typing import Any
 
 from torch import Tensor
 
+from metadist.meta.fast_space import HparamsLike
 from metadist.meta.hypergrad import HypergradConfig, LossFn
 from metadist.meta.methods import Solve, hypergradient_method
 from metadist.meta.optim import GradSync
 
 
 def response(method: str, v: Sequence[Tensor], inner_loss_fn: LossFn, params: Any,
-             hparams: Sequence[Tensor] | Tensor, config: HypergradConfig | None = None, *,
+             hparams: HparamsLike, config: HypergradConfig | None = None, *,
              grad_sync: GradSync | None = None, solve: Solve | None = None
              ) -> tuple[Tensor, ...]:
     """-M.A.v at ``params`` (``v`` ordered as ``params``' leaves), one tensor per hparam.

@@ -183,6 +183,13 @@ class FastWeights:
     def detach(self) -> FastWeights:
         return self.map(lambda t: t.detach())
 
+    def requires_grad_(self, requires_grad: bool = True) -> FastWeights:
+        """Every piece made a leaf that gradients are taken with respect to (of detached fast
+        weights: hyperparameters for the hypergradient functions), in place; returns self."""
+        for t in self.pieces:
+            t.requires_grad_(requires_grad)
+        return self
+
     def full(self) -> dict[str, Tensor]:
         """Every parameter whole, by name (collective where sharded): for inspection."""
         return self.layout.full(self.pieces)

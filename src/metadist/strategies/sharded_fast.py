@@ -335,6 +335,21 @@ class ShardedLayout:
                              f"{len(self.flats)} flat shards")
         return dict(zip(self.flats, pieces, strict=True))
 
+    def shards_of(self, pieces: Sequence[Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """(a flat's shard, ``pieces``' piece of it as a detached tensor of the shard's
+        size, zeros in its padding), per trainable flat this rank holds elements of: where a
+        gradient with respect to the pieces lands (a shard of padding alone gets none, as
+        from a backward)."""
+        out: list[tuple[Tensor, Tensor]] = []
+        for flat, piece in self.by_flat(pieces).items():
+            if real_size(flat) == 0:
+                continue
+            g = plain(piece).detach().reshape(-1)
+            pad = flat.shard.numel() - g.numel()
+            out.append((flat.shard, (torch.cat([g, g.new_zeros(pad)]) if pad else g)
+                        .view_as(flat.shard)))
+        return out
+
     def reduce_sum(self, value: Tensor) -> Tensor:
         out: Tensor = _GroupSum.apply(plain(value), tuple(self.flats))
         return out

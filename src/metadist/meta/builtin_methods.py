@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from metadist.meta import fast_space
 from metadist.meta.bilevel import sama_scale
 from metadist.meta.directional import (
     ReinforceConfig,
@@ -158,9 +159,8 @@ class Sama(HypergradientMethod):
                  ) -> tuple[Tensor, ...]:
         theta, spec, lam = _prepare(params, hparams)
         cfg = config if isinstance(config, SamaConfig) else SamaConfig()
-        return tuple(mixed_fd(inner_loss_fn, theta, spec, lam,
-                              scaled([t.detach() for t in v], cfg.scale), cfg.r, grad_sync,
-                              sign=-1.0))
+        w = scaled([t.detach() for t in v], fast_space.laid_out(cfg.scale, spec))
+        return tuple(mixed_fd(inner_loss_fn, theta, spec, lam, w, cfg.r, grad_sync, sign=-1.0))
 
     def for_problem(self, lower: Problem, upper: Problem) -> SamaConfig:
         given = lower.config.hypergrad

@@ -30,8 +30,10 @@ from torch import Tensor
 from metadist.meta.bilevel import _hparams, _inner_fn, _lam, sama_scale, weighted
 from metadist.meta.directional import ReinforceConfig, SamaConfig
 from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig
+from metadist.meta.hypergrad import _dot as dot  # over every shard when theta is pieces
 from metadist.meta.methods import Solve, Vec, hypergradient_method
 from metadist.meta.problem import loss_of
+from metadist.strategies.fast_weights import FastWeights
 
 if TYPE_CHECKING:
     from metadist.compat.betty.configs import Config as BettyConfig
@@ -103,32 +105,34 @@ def upper_gradient(engine: Engine, upper: Problem) -> tuple[dict[str, Tensor], A
         first_v[n] = tuple(synced[start:start + len(live[n][1])])
         start += len(live[n][1])
     for path in upper.paths if upper.config.first_order else []:
-        v = first_v[path[1].name]
+        v, v_names = first_v[path[1].name], live[path[1].name][0]
         for i in range(1, len(path) - 1):
-            v = _link(engine, upper, names, lam, path[i], path[i + 1], v)
+            v, v_names = _link(engine, upper, names, lam, path[i], path[i + 1], v, v_names)
         total = [a + b for a, b in zip(total, v, strict=True)]
     return dict(zip(names, total, strict=True)), out
 
 
 def _link(engine: Engine, upper: Problem, names: list[str], lam: tuple[Tensor, ...],
-          curr: Problem, nxt: Problem, v: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+          curr: Problem, nxt: Problem, v: tuple[Tensor, ...], v_names: list[str]
+          ) -> tuple[tuple[Tensor, ...], list[str]]:
+    """``curr``'s response product of ``v`` (whole, by ``v_names``): the vector with respect
+    to ``nxt``'s parameters, and their names. Under zero3/hsdp the products run on
+    ``curr``'s shards as fast weights (``v`` laid out like them)."""
     nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
     kind = BETTY_TYPES[curr.config.type]
-    params = curr.params(clone=not curr.replicated)
+    params = curr.inner_params(clone=not curr.replicated)
+    if isinstance(params, FastWeights):
+        v = params.like(dict(zip(v_names, v, strict=True))).pieces
     solve = kind.solve(curr.config) if kind.solve is not None else None
     return hypergradient_method(kind.method).response(
         v, _inner_fn(engine, nxt, curr, nxt_names), params, nxt_lam, kind.config(curr),
-        grad_sync=engine._sync, solve=solve)
+        grad_sync=engine._sync, solve=solve), nxt_names
 
 
 def _betty_cg(iterations: int, alpha: float) -> Solve:
     """Betty 0.2.1's conjugate gradient for H x = v: step a = r.r / (alpha p.Hp), residual
     r' = r - a Hp, direction r + (r'.r' / r.r) p (the previous residual, where textbook CG
     uses r'), result alpha x. One iteration equals textbook CG for any alpha."""
-    def dot(a: Vec, b: Vec) -> Tensor:
-        return sum(((x * y).sum() for x, y in zip(a, b, strict=True)),
-                   torch.zeros((), dtype=a[0].dtype, device=a[0].device))
-
     def solve(hvp: Callable[[Vec], Vec], v: Vec) -> Vec:
         x, r, p = [torch.zeros_like(t) for t in v], list(v), list(v)
         for _ in range(iterations):

@@ -59,8 +59,9 @@ def _mse(out: Tensor, y: Tensor) -> Tensor:
     return ((out - y) ** 2).mean()
 
 
-def _set_up(strategy: str, width: int, depth: int, batch: int) -> tuple[Any, ...]:
-    options = WRAP if strategy in ("zero3", "hsdp") else {}
+def _set_up(strategy: str, width: int, depth: int, batch: int, prefetch: bool = True
+            ) -> tuple[Any, ...]:
+    options = {**WRAP, "prefetch": prefetch} if strategy in ("zero3", "hsdp") else {}
     s = metadist.strategy(strategy, **options)
     net = _net(width, depth)
     model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=1e-3))
@@ -165,7 +166,8 @@ def _time_body(path: str, width: int, depth: int, batch: int, steps: int, warmup
     the same processes: each leaves the C allocator's heap in a state that moves the other's
     page faults, measured at 10-20% of either's time in opposite directions, which made the
     ratio look better than either path alone.)"""
-    s, model, opt, x, y = _set_up("zero3", width, depth, batch)
+    s, model, opt, x, y = _set_up("zero3", width, depth, batch, prefetch=path != "serial")
+    path = "sharded" if path == "serial" else path
     for _ in range(warmup):
         _step(s, model, opt, x, y, path)
     times = sorted(timed(lambda: _step(s, model, opt, x, y, path)) for _ in range(steps))
@@ -182,19 +184,19 @@ def _times(args: argparse.Namespace, batch: int
            ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Each path's launch medians over ``--rounds`` launches, the paths' launches taking
     turns."""
-    samples: dict[str, list[float]] = {"sharded": [], "gathered": []}
-    ops: dict[str, Any] = {}
+    samples: dict[str, list[float]] = {"sharded": [], "serial": [], "gathered": []}
+    ops: dict[str, dict[str, Any]] = {}
     for i in range(args.rounds):
         for path in rotation(list(samples), i):
             res = metadist.launch(_time_body, 2, args=(path, args.width, args.depth, batch,
                                                        args.steps, args.warmup),
                                   threads=1, timeout=3000)[0]
             samples[path].append(res["time"])
-            ops = res["ops"] or ops
+            ops[path] = res["ops"] or ops.get(path, {})
     return samples, ops
 
 
-def _expected_calls(units: int, saved: int) -> dict[str, int]:
+def _expected_calls(units: int, saved: int, turns: int = 0) -> dict[str, int]:
     """Collectives of one sharded meta-step with K inner steps, for ``units`` units of which
     ``saved`` have a weight autograd saves (a Linear's weight is saved for the gradient of
     its input; the first layer's input needs none). All-gathers: every unit in each of the
@@ -202,8 +204,11 @@ def _expected_calls(units: int, saved: int) -> dict[str, int]:
     (K); every saved weight again when a backward reads it: the K inner backwards, and the
     outer backward through the K + 1 forwards and the K recorded backwards.
     Reduce-scatters: every unit's gradient in the K inner backwards and of the K + 1
-    forwards in the outer one, and each saved weight's K second-order gradients."""
-    gathers = (K + 1) * units + K * units + (K + K + 1 + K) * saved
+    forwards in the outer one, and each saved weight's K second-order gradients.
+    ``turns``: reads served by the gather before them (with prefetch, where the outer
+    backward turns from an inner step's recorded backward to its forward, on the same
+    weight: strategies/fast_ahead.py), K of them."""
+    gathers = (K + 1) * units + K * units + (K + K + 1 + K) * saved - turns
     scatters = K * units + (K + 1) * units + K * saved
     return {"all_gather": gathers, "reduce_scatter": scatters}
 
@@ -288,29 +293,36 @@ def _time_tables(out: Results, args: argparse.Namespace) -> None:
         t = {path: statistics.median(ts) for path, ts in launches.items()}
         spread = "; ".join(f"{path} {min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f}"
                            for path, ts in launches.items())
-        rows.append((batch, t["sharded"] * 1e3, t["gathered"] * 1e3,
-                     f"{t['sharded'] / t['gathered']:.2f}", spread))
+        rows.append((batch, t["sharded"] * 1e3, t["serial"] * 1e3, t["gathered"] * 1e3,
+                     f"{t['sharded'] / t['gathered']:.2f}",
+                     f"{t['serial'] / t['gathered']:.2f}", spread))
         timing.append({"batch": batch, "sharded_ms": t["sharded"] * 1e3,
-                       "gathered_ms": t["gathered"] * 1e3,
+                       "serial_ms": t["serial"] * 1e3, "gathered_ms": t["gathered"] * 1e3,
                        "ratio": t["sharded"] / t["gathered"],
+                       "serial_ratio": t["serial"] / t["gathered"],
                        "launch_ms": {p: [x * 1e3 for x in ts] for p, ts in launches.items()}})
     out.heading(f"meta-step time at N = 2, zero3 (each path in its own processes: "
                 f"medians of {args.steps} steps, then of {args.rounds} launches taking "
-                f"turns)")
-    out.table(["global batch", "sharded ms", "gathered ms", "time ratio sharded / gathered",
+                f"turns; serial: sharded with prefetch=False, every gather waited where "
+                f"it is needed)")
+    out.table(["global batch", "sharded ms", "serial ms", "gathered ms",
+               "time ratio sharded / gathered", "serial / gathered",
                "launch medians ms (min-max)"], rows, key="time")
     out.data["time"] = timing
-    expected = _expected_calls(args.depth, args.depth - 1)
+    expected = {path: _expected_calls(args.depth, args.depth - 1, K if path == "sharded" else 0)
+                for path in ("sharded", "serial")}
     unit_bytes = args.width * (args.width + 1) * 4
     rows = []
-    for op, o in sorted(ops.items()):
-        want = expected.get(op)
-        ring = (want * unit_bytes / 2 if want is not None else None)  # (N-1)/N at N = 2
-        rows.append((op, o["calls"], want if want is not None else "-",
-                     f"{o['wire_bytes'] / MIB:.0f}",
-                     f"{ring / MIB:.0f}" if ring is not None else "-"))
-    out.heading("collectives of one sharded meta-step at N = 2")
-    out.table(["collective", "calls / meta-step", "calls / meta-step by the formula",
+    for path in ("sharded", "serial"):
+        for op, o in sorted(ops.get(path, {}).items()):
+            want = expected[path].get(op)
+            ring = (want * unit_bytes / 2 if want is not None else None)  # (N-1)/N at N = 2
+            rows.append((path, op, o["calls"], want if want is not None else "-",
+                         f"{o['wire_bytes'] / MIB:.0f}",
+                         f"{ring / MIB:.0f}" if ring is not None else "-"))
+    out.heading("collectives of one sharded meta-step at N = 2 (a gather started ahead "
+                "that was not used would show as calls over the formula)")
+    out.table(["path", "collective", "calls / meta-step", "calls / meta-step by the formula",
                "MiB sent per rank (ring model)", "MiB for those calls' unit payloads"],
               rows, key="traffic")
     out.data["traffic"] = {"ops": ops, "expected_calls": expected}

@@ -83,7 +83,8 @@ class FSDPConfig(StrategyConfig):
     wrap_classes: tuple[type[nn.Module], ...] = ()
     #: Free a unit's full parameters after its forward (gather again in backward).
     reshard_after_forward: bool = True
-    #: Gather the next unit (forward order, reversed in backward) while this one computes.
+    #: Gather the next unit (forward order, reversed in backward) while this one computes;
+    #: on fast weights also the next saved weight a backward reads (strategies/fast_ahead.py).
     prefetch: bool = True
     #: Keep shards, gradients and optimizer state in CPU memory; compute on the device.
     cpu_offload: bool = False

@@ -32,8 +32,8 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from metadist.comm import functional, ops
+from metadist.strategies.fast_ahead import BACKWARD, Ahead, gather_now
 from metadist.strategies.flat import FlatParam
-from metadist.strategies.shard_piece import plain
 
 _DIVERTED = "metadist_diverted"  # node metadata: the edges whose gradient a hook diverts
 _SEARCH_DEPTH = 8  # nodes a backward formula builds between its outputs and a saved input
@@ -73,26 +73,21 @@ def real_size(flat: FlatParam) -> int:
     return max(0, min(flat.shard_size, flat.numel - flat.rank * flat.shard_size))
 
 
-def all_gather(piece: Tensor, flat: FlatParam) -> Tensor:
-    """``piece`` (this rank's slice of ``flat``, padding or not) gathered whole, outside
-    autograd."""
-    out = torch.empty(flat.padded, dtype=flat.compute_dtype, device=flat.device)
-    mine = out.narrow(0, flat.rank * flat.shard_size, flat.shard_size)  # written in place:
-    n = piece.numel()                                                     # no copy to send
-    mine[:n].copy_(plain(piece.detach()))
-    mine[n:].zero_()  # the padding
-    ops.all_gather(out, mine, group=flat.group)
-    return out
-
-
 class Gathered:
     """One gather of a piece: what its saved views refer to, and the second-order gradient
     diverted to it (this rank's shard of it) until its backward takes it."""
 
-    __slots__ = ("__weakref__", "aside", "flat", "node", "noting", "piece", "used", "version")
+    __slots__ = ("__weakref__", "ahead", "aside", "flat", "node", "noting", "packed", "piece",
+                 "prefetch", "sides", "used", "version")
 
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
+        # the gathers made before and after this one in its forward (weakly: each holds its
+        # piece), and a gather of this one started ahead (strategies/fast_ahead.py)
+        self.sides: dict[int, weakref.ref[Gathered]] = {}
+        self.ahead: Ahead | None = None
+        self.packed = False  # autograd saved a view of it: a backward gathers it again
+        self.prefetch = False  # a backward reading it may gather its neighbour ahead
         # The gather's backward (None without a graph), weakly: its node holds this through
         # its context, and a node held back by what it holds is a cycle the garbage collector
         # cannot free (each meta-step's pieces and graph stayed alive for good).
@@ -107,6 +102,37 @@ class Gathered:
         # reaches this gather's backward in its turn, and would only cost a reduce-scatter).
         start = torch._C._autograd._get_sequence_nr()
         self.used = (start, start)
+
+    def follows(self, before: Gathered | None) -> None:
+        """``before`` was the gather made just before this one in the same forward."""
+        if before is not None:
+            self.sides[-1], before.sides[1] = weakref.ref(before), weakref.ref(self)
+
+    def neighbour(self, step: int) -> Gathered | None:
+        """The nearest gather ``step`` (-1 or 1) ways from this one in its forward that has
+        saved views (a backward gathers it again)."""
+        ref = self.sides.get(step)
+        out = None if ref is None else ref()
+        while out is not None and not out.packed:  # skip gathers no backward reads again
+            ref = out.sides.get(step)
+            out = None if ref is None else ref()
+        return out
+
+    def start_ahead(self) -> Ahead:
+        self.ahead = Ahead(self.piece, self.flat)
+        return self.ahead
+
+    def keep(self, buffer: Tensor) -> Ahead:
+        """Serve the next read from ``buffer``, the gather the read now got."""
+        self.ahead = Ahead(self.piece, None, kept=buffer)
+        return self.ahead
+
+    def whole(self) -> Tensor:
+        """The piece gathered again: the gather started ahead if it is of the piece as it
+        is, else now."""
+        ahead, self.ahead = self.ahead, None
+        full = None if ahead is None else ahead.take(self.piece)
+        return gather_now(self.piece, self.flat) if full is None else full
 
     def unit_left(self) -> None:
         """The unit's members have run: the forward's own consumers are all built."""
@@ -156,7 +182,8 @@ class _Packed:
 
     def unpack(self) -> Tensor:
         g = self.gathered
-        full = all_gather(g.piece, g.flat)
+        full = g.whole()
+        BACKWARD.read(g, full)  # the next saved weight's gather overlaps this node's compute
         _REGISTRY.add(full, g)  # saved again by a recorded backward: packed again
         _DIVERTER.note(self)
         return full.as_strided(self.size, self.stride, self.offset)
@@ -194,6 +221,7 @@ class _Registry:
         base = t._base if t._base is not None else t
         if base._version != gathered.version:  # changed in place: keep it as it is
             return t.detach()
+        gathered.packed = True
         return _Packed(gathered, t)
 
     @staticmethod

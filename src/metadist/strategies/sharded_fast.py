@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,7 @@ from metadist.comm import functional, ops
 from metadist.runtime.world import SELF
 from metadist.strategies.bind import Saved, place_of, restore, write
 from metadist.strategies.buckets import will_accumulate
+from metadist.strategies.fast_ahead import Ahead, gather_now
 from metadist.strategies.fast_weights import check_even_weights, require_all
 from metadist.strategies.flat import (
     FlatParam,
@@ -44,7 +45,6 @@ from metadist.strategies.flat import (
 from metadist.strategies.foreign_runs import RESOLVERS
 from metadist.strategies.shard_gather import (
     Gathered,
-    all_gather,
     real_size,
     register,
     saved_as_shards,
@@ -52,9 +52,8 @@ from metadist.strategies.shard_gather import (
     sum_over,
 )
 from metadist.strategies.shard_piece import plain
+from metadist.strategies.units import Unit, in_backward
 
-if TYPE_CHECKING:
-    from metadist.strategies.units import Unit
 
 # ----- gathering a piece ---------------------------------------------------------------------
 class _FastGather(torch.autograd.Function):
@@ -66,14 +65,14 @@ class _FastGather(torch.autograd.Function):
     adds the second-order gradients diverted to this gather (strategies/shard_gather.py)."""
 
     @staticmethod
-    def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered]
-                ) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered],
+                ready: Tensor | None) -> tuple[Tensor, ...]:
         ctx.flat, ctx.gathered, ctx.length = flat, gathered, piece.numel()
         ctx.set_materialize_grads(False)
-        return tuple(split_views(all_gather(piece, flat), flat))
+        return tuple(split_views(gather_now(piece, flat) if ready is None else ready, flat))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, None, None, None]:
         flat: FlatParam = ctx.flat
         flat.note_reached([g is not None for g in grads], fast=True)
         out = ctx.gathered[0].take_aside()  # only plain backwards divert
@@ -87,10 +86,10 @@ class _FastGather(torch.autograd.Function):
             out = summed if out is None else (
                 summed + out if torch.is_grad_enabled() else summed.add_(out))
         if out is None:  # every gradient was diverted, and none is waiting
-            return None, None, None
+            return None, None, None, None
         if ctx.length < out.numel():  # the padding's gradient goes nowhere
             out = out[:ctx.length]
-        return out.to(flat.shard.device, flat.shard.dtype), None, None
+        return out.to(flat.shard.device, flat.shard.dtype), None, None, None
 
 
 class _Start(torch.autograd.Function):
@@ -149,15 +148,17 @@ def _sum_replicas(g: Tensor, flat: FlatParam) -> Tensor:
     return out
 
 
-def gather(piece: Tensor, flat: FlatParam) -> tuple[list[Tensor], Gathered]:
+def gather(piece: Tensor, flat: FlatParam, ready: Tensor | None = None
+           ) -> tuple[list[Tensor], Gathered]:
     """``piece`` whole, as its parameters' views: through :class:`_FastGather` where
-    gradients flow, else plain; kept as shards when autograd saves them."""
+    gradients flow, else plain; kept as shards when autograd saves them. ``ready``: the
+    piece already gathered (a gather started ahead)."""
     if torch.is_grad_enabled() and piece.requires_grad:
         holder: list[Gathered] = []
-        views = list(_FastGather.apply(plain(piece), flat, holder))
+        views = list(_FastGather.apply(plain(piece), flat, holder, ready))
         holder.append(Gathered(piece, flat, views))
     else:
-        views = split_views(all_gather(piece, flat), flat)
+        views = split_views(gather_now(piece, flat) if ready is None else ready, flat)
         holder = [Gathered(piece, flat, views)]
     register(views[0], holder[0])
     return views, holder[0]
@@ -175,6 +176,10 @@ class FastForward:
         # read outside the units' forwards: the views, and their gather's record (the
         # saved-tensors hook finds it only while someone holds it)
         self._whole: dict[FlatParam, tuple[list[Tensor], Gathered]] = {}
+        self._sources: dict[FlatParam, Tensor] = {}
+        self._seen: list[Unit] = []  # the units in the order they opened
+        self._ahead: dict[FlatParam, Ahead] = {}  # the next unit's gathers, started ahead
+        self._last: Gathered | None = None  # the last gather made: the next one follows it
 
     def whole(self, flat: FlatParam, index: int) -> Tensor:
         """Parameter ``index`` of ``flat`` on these fast weights, gathered (differentiably)
@@ -182,15 +187,14 @@ class FastForward:
         method; kept for the rest of this computation."""
         known = self._whole.get(flat)
         if known is None:
-            piece = self.pieces.get(flat, flat.shard)
-            known = self._whole[flat] = gather(piece if flat.shard.requires_grad
-                                               else flat.shard.detach(), flat)
+            known = self._whole[flat] = gather(self._source(flat), flat)
         return known[0][index]
 
     def enter(self, unit: Unit) -> None:
         running, saved, made = self._open.get(unit, (0, [], []))
         if not running:
             saved, made = self._bind(unit)
+            self._gather_next(unit)
         self._open[unit] = (running + 1, saved, made)
 
     def leave(self, unit: Unit) -> None:
@@ -200,10 +204,15 @@ class FastForward:
             return
         del self._open[unit]
         self._let_go(saved, made)
+        if not self._open:  # a recomputation (Resumed) ended: no gather may stay in flight
+            self._drop_ahead()
 
     def close(self) -> None:
         for unit in list(self._open):
             self._let_go(*self._open.pop(unit)[1:])
+        self._drop_ahead()
+        if self._seen:  # the next forward on fast weights likely runs the same order
+            self.root_unit.schedule.fast_order = self._seen
 
     @staticmethod
     def _let_go(saved: list[Saved], made: list[Gathered]) -> None:
@@ -211,17 +220,51 @@ class FastForward:
         for gathered in made:
             gathered.unit_left()
 
+    def _source(self, flat: FlatParam) -> Tensor:
+        """What ``flat`` is gathered from: its piece, or its shard without a graph (frozen
+        or not given)."""
+        out = self._sources.get(flat)
+        if out is None:
+            piece = self.pieces.get(flat, flat.shard)
+            out = self._sources[flat] = piece if flat.shard.requires_grad else \
+                flat.shard.detach()
+        return out
+
     def _bind(self, unit: Unit) -> tuple[list[Saved], list[Gathered]]:
         placed: list[tuple[tuple[dict[str, Any], str], Tensor]] = []
         made = []
         for flat in unit.flats:
-            piece = self.pieces.get(flat, flat.shard)
-            views, gathered = gather(piece if flat.shard.requires_grad
-                                     else flat.shard.detach(), flat)
+            source, ahead = self._source(flat), self._ahead.pop(flat, None)
+            views, gathered = gather(source, flat, None if ahead is None else ahead.take(source))
+            gathered.follows(self._last)
+            gathered.prefetch = self.root_unit.schedule.prefetch
+            self._last = gathered
             made.append(gathered)
             for slot, view in zip(flat.slots, views, strict=True):
                 placed += [(place_of(module, attr), view) for module, attr in slot.uses]
         return write(placed), made
+
+    def _gather_next(self, unit: Unit) -> None:
+        """``unit`` opened: start gathering the unit that followed it in the model's last
+        forward on fast weights (strategies/fast_ahead.py), after dropping a guess that
+        did not come."""
+        self._drop_ahead()
+        if in_backward():  # a recomputation runs some units, not the forward's order
+            return
+        if unit not in self._seen:
+            self._seen.append(unit)
+        schedule = self.root_unit.schedule
+        order = schedule.fast_order
+        if not schedule.prefetch or unit not in order:
+            return
+        i = order.index(unit) + 1
+        if i < len(order) and order[i] not in self._open:
+            self._ahead = {flat: Ahead(self._source(flat), flat) for flat in order[i].flats}
+
+    def _drop_ahead(self) -> None:
+        for ahead in self._ahead.values():
+            ahead.drop()
+        self._ahead = {}
 
 
 #: the fast forwards running now, by the id of their model's user module

@@ -75,6 +75,9 @@ class Schedule:
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._order: list[Unit] = []  # the last forward's unit order: predicts the next one
         self._seen: list[Unit] = []  # this forward's order so far
+        # the last forward on fast weights' order (strategies/sharded_fast.py), kept apart:
+        # it may run other units than the model's own forward (a loss through one block)
+        self.fast_order: list[Unit] = []
         self._queued = False  # the end-of-backward callback is queued
         unit_of = {flat: unit for unit in units for flat in unit.flats}
         self.holds = BackwardHolds(lambda flat: unit_of[flat].state is _F)

@@ -66,9 +66,10 @@ step bench 35 metadist bench --quick --device cuda --only maml_overhead,gpu_step
 
 # 5. the sharded meta-step's time (with and without prefetch) against the gathered one at
 #    N = 2 on CPU ranks that each have a core of their own (on a 2-core machine gloo's
-#    threads compete with the ranks)
+#    threads compete with the ranks); one launch per path took 145 s on the H100 machine,
+#    two did not fit 330 s
 step sharded_time 330 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.sharded_meta --parts time \
-    --time-batches 32,256 --rounds 2 --steps 4 --warmup 1 --json "$OUT/sharded_time.json"
+    --time-batches 32,256 --rounds 1 --steps 3 --warmup 1 --json "$OUT/sharded_time.json"
 
 # 6. this torch build on the CPU: the fast-weight files, which need no peer library (54 tests
 #    took 89 s with 8 workers on 16 cores; nine files with 12 workers did not fit 100 s)

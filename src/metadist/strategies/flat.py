@@ -331,6 +331,17 @@ class FlatParam:
             return None
         return known[1]
 
+    def forget_task_reach(self) -> None:
+        """Start the record afresh: what :meth:`last_task_reach` reads next is noted by
+        backwards that run from now on."""
+        self._task_reach = None
+
+    def last_task_reach(self) -> list[bool]:
+        """The slots the last backward noted reached, read after it returned (none noted:
+        none reached)."""
+        known = self._task_reach
+        return list(known[1]) if known is not None else [False] * len(self.slots)
+
     def _take_reached(self) -> list[bool] | None:
         mask, self._pending_reach = self._pending_reach, None
         return mask

@@ -21,11 +21,11 @@ applied once, where the gradient enters the model's shard (:class:`_Start`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,8 @@ from metadist.strategies.shard_gather import (
 )
 from metadist.strategies.shard_piece import plain
 from metadist.strategies.units import Unit, in_backward
+
+_T = TypeVar("_T")
 
 
 # ----- gathering a piece ---------------------------------------------------------------------
@@ -407,6 +409,18 @@ class ShardedLayout:
             out = torch.autograd.grad(loss * weight, list(pieces), create_graph=create_graph,
                                       allow_unused=True, materialize_grads=True)
         return tuple(out)
+
+    def unreached(self, take: Callable[[], _T]) -> tuple[_T, list[str]]:
+        """``take()``, one backward with respect to the pieces, and the names of the
+        parameters it did not reach: a piece's gradient is a tensor for every parameter of
+        a unit that ran, so what a gradient of whole parameters says by ``None`` is read
+        from the record the gathers keep of what each backward reached."""
+        for flat in self.flats:
+            flat.forget_task_reach()
+        out = take()
+        return out, [slot.fqn for flat in self.flats
+                     for slot, hit in zip(flat.slots, flat.last_task_reach(), strict=True)
+                     if not hit]
 
     def recording(self) -> AbstractContextManager[Any]:
         return saved_as_shards()

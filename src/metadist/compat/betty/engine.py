@@ -32,6 +32,7 @@ from metadist.meta.bilevel import record_last_grads
 from metadist.meta.config import EarlyStopping
 from metadist.meta.config import EngineConfig as NativeConfig
 from metadist.meta.engine import Engine as NativeEngine
+from metadist.strategies.fast_weights import FastWeights
 
 _warned_batchnorm = False  # the warning below is said once per process
 
@@ -246,8 +247,10 @@ class Engine(NativeEngine):
         boundary = p.gradient_accumulation_boundary()
         if p.paths:
             grads, out = upper_gradient(self, p)
-            p.accumulate_grads({n: g / gas for n, g in grads.items()} if gas > 1 else grads,
-                               owned=True)
+            if gas > 1:
+                grads = (grads / gas if isinstance(grads, FastWeights)
+                         else {n: g / gas for n, g in grads.items()})
+            p.accumulate_grads(grads, owned=True)
             loss = out["loss"] if isinstance(out, dict) else out
             stats: dict[str, Any] = {"loss": float(loss.detach())}
             if isinstance(out, dict):

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from metadist.meta import fast_space
 from metadist.meta.bilevel import _hparams, _inner_fn, _lam, sama_scale, weighted
 from metadist.meta.directional import ReinforceConfig, SamaConfig
+from metadist.meta.fast_space import Hparams
 from metadist.meta.hypergrad import CGConfig, HypergradConfig, NeumannConfig
 from metadist.meta.hypergrad import _dot as dot  # over every shard when theta is pieces
 from metadist.meta.methods import Solve, Vec, hypergradient_method
@@ -76,14 +78,19 @@ def link_method(curr: Problem) -> tuple[str, HypergradConfig]:
     return kind.method, kind.config(curr)
 
 
-def upper_gradient(engine: Engine, upper: Problem) -> tuple[dict[str, Tensor], Any]:
-    """(d upper-loss / d upper-parameters by name, synced; what training_step returned)."""
-    names, lam = _hparams(upper)
+def upper_gradient(engine: Engine, upper: Problem
+                   ) -> tuple[dict[str, Tensor] | FastWeights, Any]:
+    """(d upper-loss / d upper-parameters, synced; what training_step returned). Under
+    "fsdp" it is taken with respect to the upper problem's shard pieces and returned as fast
+    weights of them (no rank holds the upper model whole); by name otherwise. The lower
+    problems the direct term binds live (``first_order`` paths) are pieces too."""
+    names, lam = _hparams(upper, pieces=True)
     firsts = list(dict.fromkeys(path[1] for path in upper.paths)) if upper.config.first_order \
         else []
-    live = {p.name: _hparams(p) for p in firsts}
-    bound = {upper.name: _lam(upper, names, lam, True)}
-    bound.update({n: _lam(engine.problems[n], *live[n], True) for n in live})
+    live = {p.name: _hparams(p, pieces=True) for p in firsts}
+    bound = {upper.name: _lam(upper, names, lam.tree(), True)}
+    bound.update({n: _lam(engine.problems[n], live[n][0], live[n][1].tree(), True)
+                  for n in live})
     with engine._bound(bound):
         out = upper.training_step(upper.batch)
     loss = weighted(loss_of(out, upper.name), upper.batch_share)
@@ -91,42 +98,64 @@ def upper_gradient(engine: Engine, upper: Problem) -> tuple[dict[str, Tensor], A
     if scaler is not None:
         loss = scaler.scale(loss)  # as metadist's engine: the optimizer's hook unscales
     inputs = [*lam, *(t for n in live for t in live[n][1])]
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    unused = [n for n, g in zip(names, grads, strict=False) if g is None]
+
+    def take() -> tuple[Tensor | None, ...]:
+        return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+    if lam.layout is not None:  # pieces: what was not reached, from the gathers' record
+        grads, unused = lam.layout.unreached(take)
+    else:
+        grads = take()
+        unused = [n for n, g in zip(names, grads, strict=False) if g is None]
     if unused and not upper.config.allow_unused:
         raise ValueError(f"problem {upper.name!r}: its loss does not depend on parameter(s) "
                          f"{unused} (Config(allow_unused=False)); use them, or set "
                          "allow_unused=True")
     dense = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
-    synced = list(engine._sync(tuple(dense))) if engine._sync is not None else dense
+    sync, sets = engine._sync, [lam, *(live[n][1] for n in live)]
+    synced: list[Tensor]
+    if all(h.layout is None for h in sets):  # one collective for every whole gradient
+        synced = list(sync(tuple(dense))) if sync is not None else dense
+    else:  # pieces are averaged as pieces (never with another rank's shard)
+        synced, start = [], 0
+        for h in sets:
+            synced += fast_space.sync_lam(sync, dense[start:start + len(h)], h)
+            start += len(h)
     total, start = synced[:len(lam)], len(lam)
     first_v: dict[str, tuple[Tensor, ...]] = {}
     for n in live:
         first_v[n] = tuple(synced[start:start + len(live[n][1])])
         start += len(live[n][1])
     for path in upper.paths if upper.config.first_order else []:
-        v, v_names = first_v[path[1].name], live[path[1].name][0]
+        first = live[path[1].name]
+        v, v_names, pieces = first_v[path[1].name], first[0], first[1].layout is not None
         for i in range(1, len(path) - 1):
-            v, v_names = _link(engine, upper, names, lam, path[i], path[i + 1], v, v_names)
+            v, v_names, pieces = _link(engine, upper, names, lam, path[i], path[i + 1],
+                                       (v, v_names, pieces))
         total = [a + b for a, b in zip(total, v, strict=True)]
+    if lam.layout is not None:
+        return FastWeights(lam.layout, tuple(total)), out
     return dict(zip(names, total, strict=True)), out
 
 
-def _link(engine: Engine, upper: Problem, names: list[str], lam: tuple[Tensor, ...],
-          curr: Problem, nxt: Problem, v: tuple[Tensor, ...], v_names: list[str]
-          ) -> tuple[tuple[Tensor, ...], list[str]]:
-    """``curr``'s response product of ``v`` (whole, by ``v_names``): the vector with respect
-    to ``nxt``'s parameters, and their names. Under zero3/hsdp the products run on
-    ``curr``'s shards as fast weights (``v`` laid out like them)."""
-    nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt)
+def _link(engine: Engine, upper: Problem, names: list[str], lam: Hparams,
+          curr: Problem, nxt: Problem, v: tuple[tuple[Tensor, ...], list[str], bool]
+          ) -> tuple[tuple[Tensor, ...], list[str], bool]:
+    """``curr``'s response product of ``v`` (the vector, its names, whether it is pieces of
+    ``curr``'s shards, else whole by name): the vector with respect to ``nxt``'s
+    parameters, the same way. Under zero3/hsdp the products run on ``curr``'s shards as
+    fast weights, and ``nxt``'s parameters are its shard pieces."""
+    nxt_names, nxt_lam = (names, lam) if nxt is upper else _hparams(nxt, pieces=True)
     kind = BETTY_TYPES[curr.config.type]
     params = curr.inner_params(clone=not curr.replicated)
-    if isinstance(params, FastWeights):
-        v = params.like(dict(zip(v_names, v, strict=True))).pieces
+    vec, v_names, pieces = v
+    if isinstance(params, FastWeights) and not pieces:
+        vec = params.like(dict(zip(v_names, vec, strict=True))).pieces
     solve = kind.solve(curr.config) if kind.solve is not None else None
-    return hypergradient_method(kind.method).response(
-        v, _inner_fn(engine, nxt, curr, nxt_names), params, nxt_lam, kind.config(curr),
-        grad_sync=engine._sync, solve=solve), nxt_names
+    out = hypergradient_method(kind.method).response(
+        vec, _inner_fn(engine, nxt, curr, nxt_names), params, nxt_lam, kind.config(curr),
+        grad_sync=engine._sync, solve=solve)
+    return out, nxt_names, nxt_lam.layout is not None
 
 
 def _betty_cg(iterations: int, alpha: float) -> Solve:

@@ -117,3 +117,18 @@ def test_a_guess_that_does_not_come_is_dropped() -> None:
     for rank, got in enumerate(out):
         assert got["wasted"] > 0, "the forwards' order never differed from the guess"
         assert_tensors_close(got["params"], want, f"zero3 n=3 rank={rank}")
+
+
+def test_a_kept_or_gathered_buffer_is_used_only_while_nothing_changed() -> None:
+    """A buffer kept for the next read was handed to a backward node already, and a piece
+    may change in place between a gather and its use: either change makes the read gather
+    afresh (None here), never use the old values."""
+    piece, buffer = torch.zeros(3), torch.ones(6)
+    assert fast_ahead.Ahead(piece, None, kept=buffer).take(piece) is buffer
+    changed = fast_ahead.Ahead(piece, None, kept=buffer)
+    buffer[:2].mul_(2.0)  # through a view, as a node would write a saved tensor
+    assert changed.take(piece) is None
+    moved = fast_ahead.Ahead(piece, None, kept=buffer)
+    piece.add_(1.0)
+    assert moved.take(piece) is None
+    assert fast_ahead.Ahead(piece, None, kept=buffer).take(piece.clone()) is None

@@ -75,11 +75,13 @@ class Ahead:
     (taken or dropped) before it is let go: on gloo a receive dropped unwaited is cancelled,
     and its peer's send, which waits for it, holds up every later send to that peer."""
 
-    __slots__ = ("buffer", "handle", "kept", "source", "version")
+    __slots__ = ("buffer", "handle", "kept", "kept_version", "source", "version")
 
     def __init__(self, source: Tensor, flat: FlatParam | None, ahead: bool = True,
                  kept: Tensor | None = None) -> None:
         self.source, self.version, self.kept = source, source._version, kept is not None
+        # a kept buffer was handed to a backward node already: used again only unchanged
+        self.kept_version = -1 if kept is None else kept._version
         self.buffer: Tensor | None = kept
         self.handle: Handle | None = None  # it holds the buffer too: let go once waited
         if kept is not None:  # a gather made already, kept for one more read
@@ -99,7 +101,8 @@ class Ahead:
         """The gathered buffer if it is a gather of ``source`` as it is now; else None (it
         is dropped, and the caller gathers afresh)."""
         buffer = self.drop()
-        if buffer is None or source is not self.source or source._version != self.version:
+        if buffer is None or source is not self.source or source._version != self.version \
+                or (self.kept and buffer._version != self.kept_version):
             return None
         COUNTS.count(used=not self.kept, kept=self.kept)
         return buffer

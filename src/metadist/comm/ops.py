@@ -319,19 +319,21 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: ReduceOpName =
 def reduce_scatter_parts(output: torch.Tensor, parts: Sequence[torch.Tensor],
                          op: ReduceOpName = "sum", *, group: Group = None,
                          async_op: bool = False) -> Handle:
-    """:func:`reduce_scatter` of ``torch.cat(parts)`` (1-D parts, of the same sizes on every
-    rank), reading the parts where they lie: a gradient that arrives as several tensors (a
+    """:func:`reduce_scatter` of ``torch.cat(parts)`` (parts read flat, of the same sizes on
+    every rank), reading the parts where they lie: a gradient that arrives as several tensors (a
     flat buffer's parameters) is reduced without first being copied into one. The parts are
     left as they were. On gloo the ring sends their slices; elsewhere they are concatenated
     for the native collective."""
-    parts = list(parts)
+    # A gradient arrives in whatever layout autograd made it (the gradient of a sum is an
+    # expanded scalar): read each part flat, copied only where it is not already.
+    parts = [p if p.dim() == 1 and p.is_contiguous() else p.reshape(-1).contiguous()
+             for p in parts]
     pg, size, rank = group_info(group)
     total = sum(p.numel() for p in parts)
-    if any(p.dim() != 1 or not p.is_contiguous() for p in parts) or \
-            output.dim() != 1 or total != size * output.numel():
+    if output.dim() != 1 or total != size * output.numel():
         raise ValueError(
-            f"reduce_scatter_parts: parts of {total} elements in all must be contiguous and "
-            f"1-D, {size} x the output's {output.numel()}; reshape(-1) them first")
+            f"reduce_scatter_parts: parts of {total} elements in all must be {size} x the "
+            f"1-D output's {output.numel()}")
     if pg is None or size == 1:
         for piece, at in zip(parts, itertools.accumulate((p.numel() for p in parts),
                                                          initial=0), strict=False):

@@ -2,7 +2,8 @@
 
 A module's forward reads each parameter and buffer by attribute, and an attribute read
 finds the tensor in one of three dicts of the owning module: the instance ``__dict__`` (a
-plain attribute, as zero3/hsdp's gathered views are), ``_parameters`` or ``_buffers``. A
+plain attribute), ``_parameters`` (zero3/hsdp's gathered views and placeholders too: the
+registry holds what the attribute reads) or ``_buffers``. A
 :data:`Place` names that dict and the key; writing a tensor there is what every binding
 here does, and restoring what was there undoes it:
 
@@ -69,6 +70,12 @@ def place_of(owner: nn.Module, attr: str) -> Place:
         return instance, attr
     buffers = instance["_buffers"]
     return (buffers if attr in buffers else instance["_parameters"]), attr
+
+
+def held_at(owner: nn.Module, attr: str) -> Any:
+    """What ``owner.<attr>`` reads now (None where nothing is placed)."""
+    store, key = place_of(owner, attr)
+    return store.get(key)
 
 
 def write(assignments: Iterable[tuple[Place, Tensor]]) -> list[Saved]:

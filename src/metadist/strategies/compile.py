@@ -205,8 +205,8 @@ def _kind(module: nn.Module) -> Callable[..., Any]:
 
 
 def _tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """Parameters and buffers of ``module``'s subtree, including those a sharding strategy
-    turned into plain attributes."""
+    """Parameters and buffers of ``module``'s subtree, including tensors placed as plain
+    attributes."""
     for prefix, m in module.named_modules():
         for attr, value in m.__dict__.items():
             if isinstance(value, torch.Tensor):

@@ -46,6 +46,7 @@ from metadist.comm import functional, ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import SELF, Group
 from metadist.strategies.backward_coordinator import BackwardCoordinator
+from metadist.strategies.bind import place_of
 from metadist.strategies.buckets import will_accumulate
 from metadist.strategies.placement import flat_part, paste
 
@@ -206,10 +207,11 @@ class FlatParam:
             ptr = storage.data_ptr()
             for slot, placeholder in zip(self.slots, self.placeholders, strict=True):
                 for module, attr in slot.uses:
-                    held = module.__dict__.get(attr)
+                    store, key = place_of(module, attr)
+                    held = store.get(key)
                     if (isinstance(held, torch.Tensor) and not held.is_meta
                             and held.untyped_storage().data_ptr() == ptr):
-                        module.__dict__[attr] = placeholder
+                        store[key] = placeholder
         storage.resize_(0)
 
     def start_gather(self) -> bool:

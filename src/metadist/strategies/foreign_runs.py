@@ -9,9 +9,12 @@ copy. Each is recognised where it first runs (the model's forward) and refused b
 value is computed, naming the path taken, the library on the stack, and the portable form.
 
 Between its units' forwards the user's module holds no parameter values at all: each
-parameter attribute holds a :class:`Placeholder` (shape and dtype, no data), and any
-computation on one (a method of the module reading ``self.lin.weight`` outside the forward)
-stops with an error naming the parameter and what to read instead.
+parameter's registry entry (what its attribute, ``_parameters``, ``parameters()`` and
+``state_dict()`` read) holds a :class:`Placeholder` (shape, dtype, ``requires_grad``; no
+data), and any computation on one, or a read of its ``.grad`` (a method of the module
+reading ``self.lin.weight`` outside the forward, a hand-written loop over its gradients)
+stops with an error naming the parameter and what to read instead; where a known library
+read it, the error names the library and the portable form.
 """
 
 from __future__ import annotations
@@ -60,8 +63,19 @@ def refuse_foreign_run(model: nn.Module, origin: Origin, swapped: list[str]) -> 
         by = "torch.func.functional_call"
     if library is not None:
         by = f"{_LIBRARIES[library]} (which runs as it is under ddp, zero1 and zero2)"
-    raise RuntimeError(
-        f"zero3/fsdp/hsdp: this forward runs {how}, made by {by}. Here the model's "
+    raise RuntimeError(_per_rank_copy(f"this forward runs {how}, made by {by}"))
+
+
+def library_walking() -> bool:
+    """Whether a known meta-learning library's code is running (only looked for once one
+    is imported): it walks the model's registry itself, so the set-up model lists what that
+    walk finds, and the library's first computation on a placeholder names it."""
+    return any(name in sys.modules for name in _LIBRARIES) and _library_on_stack() is not None
+
+
+def _per_rank_copy(what: str) -> str:
+    return (
+        f"zero3/fsdp/hsdp: {what}. Here the model's "
         "parameters are this rank's flat shards and every forward gathers all ranks' "
         "shards, so a per-rank copy of them (an inner loop's fast weights) cannot be run "
         "this way. Write the inner loop in the portable form, the same under every "
@@ -125,22 +139,26 @@ def _resolve(tree: Any) -> Any:
 #: what a placeholder answers without data (its description), by function or property name
 _DESCRIBES = frozenset({
     "shape", "dtype", "device", "is_meta", "size", "dim", "ndim", "numel", "requires_grad",
-    "is_leaf", "grad_fn", "grad", "layout", "is_floating_point", "is_complex", "element_size",
+    "is_leaf", "grad_fn", "layout", "is_floating_point", "is_complex", "element_size",
     "_version", "__repr__", "__format__", "__hash__", "__eq__", "__len__", "is_cuda",
     "is_sparse", "itemsize", "nbytes", "names", "_is_view", "untyped_storage"})
 
 
 class Placeholder(torch.Tensor):
-    """A zero3/hsdp parameter attribute between forwards: a meta tensor that describes the
-    parameter, and refuses any computation with an error that names it."""
+    """A zero3/hsdp parameter between forwards, in its module's registry and attribute: a
+    meta tensor that describes the parameter (``parameters()`` lists it, a count of
+    parameters is one process's), and refuses any computation, and its ``.grad``, with an
+    error that names it. ``detach()`` gives itself: a state dict holds it in its place until
+    the strategy's hook writes the values there (strategies/state_dict.py)."""
 
     fqn: str
     source: Any  # (flat, slot index): where the values are, for a resolver
 
     @staticmethod
     def __new__(cls, fqn: str, shape: torch.Size, dtype: torch.dtype,
-                source: Any = None) -> Placeholder:
-        out = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+                source: Any = None, requires_grad: bool = False) -> Placeholder:
+        out = torch.Tensor._make_subclass(
+            cls, torch.empty(shape, dtype=dtype, device="meta"), requires_grad)
         out.fqn, out.source = fqn, source
         return out
 
@@ -153,12 +171,26 @@ class Placeholder(torch.Tensor):
         if name in _DESCRIBES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        if name == "detach" and isinstance(args[0], Placeholder):
+            return args[0]
         resolved = _resolve((args, kwargs or {}))
         if resolved is not None:  # the values the running computation binds
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*resolved[0], **resolved[1])
         held = next((a for a in args if isinstance(a, Placeholder)), None)
         fqn = held.fqn if held is not None else "a parameter"
+        library = _library_on_stack()
+        if library is not None:
+            raise RuntimeError(_per_rank_copy(
+                f"{_LIBRARIES[library]} read {fqn!r} ({name}) to copy the model, which "
+                "runs as it is under ddp, zero1 and zero2"))
+        if name == "grad":
+            raise RuntimeError(
+                f"{fqn!r} of the set-up model has no .grad: under zero3/fsdp/hsdp its gradient "
+                "is a slice of the flat shards' gradients, which model.parameters() yields. "
+                "Read gradients from model.parameters() (clip them with "
+                "strategy.clip_grad_norm_(model, max_norm)) and zero them with "
+                "optimizer.zero_grad() or model.zero_grad(), model being the set-up model")
         raise RuntimeError(
             f"{fqn!r} of the set-up model has no values here ({name} read it): under "
             "zero3/fsdp/hsdp parameters are sharded across ranks and gathered only while "

@@ -46,7 +46,7 @@ from metadist.runtime.world import SELF, Group
 from metadist.strategies import grad_norm, sharded_fast, step_chain
 from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.base import Strategy, StrategyConfig, register
-from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, place_of
+from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, held_at, place_of
 from metadist.strategies.compile import eager, pieces
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.deferred import DeferredSetup, broadcast_state
@@ -60,6 +60,7 @@ from metadist.strategies.flat_layout import FlatLayout
 from metadist.strategies.foreign_runs import (
     Origin,
     Placeholder,
+    library_walking,
     refuse_deepcopy,
     refuse_foreign_run,
 )
@@ -108,6 +109,11 @@ class ShardedModule(DistributedModule):
         self.units = units
         self.flats = [flat for unit in units for flat in unit.flats]
         self.shards = nn.ParameterList([flat.shard for flat in self.flats])
+        #: the names, under this model, of the user's parameters the shards hold: still
+        #: registered in the user's module (placeholders between forwards), not trained here
+        self._sharded_names = frozenset(
+            f"module.{name}" for flat in self.flats for slot in flat.slots
+            for name in (slot.fqn, *slot.aliases))
         self._config = config
         self._handles: list[Any] = []
         self._origin = Origin(self)  # copies and patched classes carry it along
@@ -218,7 +224,7 @@ class ShardedModule(DistributedModule):
             for i, slot in enumerate(flat.slots):
                 values[slot.fqn] = full[slot.fqn] if gathered is None else gathered[i]
                 for module, attr in slot.uses:
-                    memo[id(module.__dict__.get(attr))] = None
+                    memo[id(held_at(module, attr))] = None
         copied = copy.deepcopy(self.module, memo)
         ours = {handle.id for handle in self._handles}
         for module in copied.modules():
@@ -228,9 +234,7 @@ class ShardedModule(DistributedModule):
         for flat in self.flats:
             for slot in flat.slots:
                 for module, attr in slot.uses:
-                    target = memo[id(module)]
-                    target.__dict__.pop(attr, None)
-                    target._parameters[attr] = values[slot.fqn]
+                    memo[id(module)]._parameters[attr] = values[slot.fqn]
         return copied
 
     def _check_names(self, params: Mapping[str, torch.Tensor], who: str) -> None:
@@ -244,7 +248,7 @@ class ShardedModule(DistributedModule):
               ) -> AbstractContextManager[Any]:
         """The user's module holds full parameters for the block: ``params`` where given,
         gathered copies of its own elsewhere (frozen ones too, which no unit gathers for a
-        module bound explicitly), in each attribute and in ``_parameters``, so that its
+        module bound explicitly), in each parameter's registry entry, so that its
         forward, methods, attributes, ``named_parameters()`` and ``state_dict()`` read them
         as one process's module would. Fast weights (:meth:`fast_weights`) instead: every
         forward of the module's units within the block gathers them, one unit at a time."""
@@ -261,7 +265,7 @@ class ShardedModule(DistributedModule):
             for slot, value in zip(flat.slots, values, strict=True):
                 for module, attr in slot.uses:
                     assert value is not None
-                    placed += [(place_of(module, attr), value), ((module._parameters, attr), value)]
+                    placed.append((place_of(module, attr), value))
         return Rebinding(placed, self.module)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -276,7 +280,11 @@ class ShardedModule(DistributedModule):
             inner = f"{prefix}.module." if prefix else "module."
             return iter([(inner + slot.fqn, running.whole(flat, i))  # type: ignore[misc]
                          for flat in self.flats for i, slot in enumerate(flat.slots)])
-        return super().named_parameters(prefix, recurse, remove_duplicate)
+        everything = super().named_parameters(prefix, recurse, remove_duplicate)
+        if library_walking():  # as the library's own walk of the registry finds them
+            return everything
+        skip, sharded = (len(prefix) + 1 if prefix else 0), self._sharded_names
+        return ((name, p) for name, p in everything if name[skip:] not in sharded)
 
     def fast_weights(self) -> FastWeights:
         """Fast weights of a cooperative inner problem, kept as shards: this rank's slice of
@@ -415,11 +423,14 @@ class Zero3Strategy(Strategy):
                 reduce_dtype=self.reduce_dtype, scale=self.grad_scale,
                 coordinator=coordinator))
             for index, (slot, p) in enumerate(zip(slots, originals, strict=True)):
-                placeholder = Placeholder(slot.fqn, slot.shape, p.dtype, (flats[-1], index))
+                placeholder = Placeholder(slot.fqn, slot.shape, p.dtype, (flats[-1], index),
+                                          p.requires_grad)
                 flats[-1].placeholders.append(placeholder)
                 for module, attr in slot.uses:
-                    module._parameters.pop(attr, None)  # now a plain attribute, bound per forward
-                    module.__dict__[attr] = placeholder  # until the unit is first gathered
+                    # Registered as before: every path reads what the attribute holds (the
+                    # placeholder, the gathered views while the unit runs).
+                    registry: dict[str, Any] = module._parameters
+                    registry[attr] = placeholder
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the replica
         return flats
 

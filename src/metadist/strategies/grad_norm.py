@@ -13,8 +13,8 @@ metadist makes torch's utilities say so or compute the global value:
 * ``get_total_norm`` over zero2 gradients (ranks hold different ones, so they cannot agree on
   a collective), ``parameters_to_vector`` / ``vector_to_parameters`` over shards or their
   gradients, and ``clip_grad_norm_`` / ``clip_grad_value_`` over ``model.module.parameters()``
-  under zero3 (which yields nothing: the parameters are the shards) raise, naming what to
-  call instead.
+  under zero3 (which yields placeholders, with no values or gradients: the parameters are
+  the shards) raise, naming what to call instead.
 
 Everything else passes through to torch unchanged. A module declares its split gradients
 with ``split_gradients()``; :func:`track` registers it (weakly) and installs the wrappers.
@@ -203,7 +203,7 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
 
 
 def _refuse_emptied(parameters: Any, name: str) -> None:
-    """``model.module.parameters()`` under zero3 yields nothing (the parameters are shards),
+    """``model.module.parameters()`` under zero3 yields placeholders (the values are shards),
     so clipping it would silently do nothing."""
     if not (_EMPTIED and isinstance(parameters, types.GeneratorType)):
         return
@@ -221,7 +221,8 @@ def _refuse_emptied(parameters: Any, name: str) -> None:
     if not any(id(p) in splits for p in owner.parameters(recurse=recurse)):  # not the wrapper
         raise RuntimeError(
             f"torch.nn.utils.{name} over {type(owner).__name__}.parameters() of a zero3/hsdp "
-            "model: your module holds no parameters while set up (they are flat shards, "
+            "model: your module holds placeholders, not values or gradients, while set up (they "
+                "are flat shards, "
             "which model.parameters() yields), so nothing would be clipped; use "
             + (_CLIP if name == "clip_grad_norm_" else
                "torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)"))

@@ -89,7 +89,9 @@ class DistributedModule(nn.Module):
         else:
             return
         if self._probe is None:  # one parameter, found once: forwards stay cheap
-            self._probe = [next(iter(self.module.parameters()), None)]
+            # (a parameter, not a tensor bound in its place: the probe keeps it alive)
+            self._probe = [next((p for p in self.module.parameters()
+                                 if isinstance(p, nn.Parameter)), None)]
         param = self._probe[0]
         if param is None or first.device.type == param.device.type:
             return

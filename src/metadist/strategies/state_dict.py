@@ -1,8 +1,9 @@
 """State dicts of a zero3/hsdp model that behave like the plain module's.
 
-Between forwards the user's modules hold no parameters (each one is a slice of a flat shard,
-strategies/flat.py), so torch's ``state_dict``/``load_state_dict`` alone would skip them.
-Hooks on every module of the user's tree put them where torch expects them, so
+Between forwards the user's modules hold placeholders in place of their parameters (the
+values are slices of flat shards, strategies/flat.py), which torch's ``state_dict`` writes
+in their places and ``load_state_dict`` cannot copy into. Hooks on every module of the
+user's tree write the values in those places and load the shards instead, so
 ``model.state_dict()``, ``model.module.state_dict()``, a submodule's, and that of a module
 the set-up model sits in (``torch.compile(model)`` included) give the plain module's keys,
 in its order: ``prefix``, ``destination`` and ``keep_vars`` honoured, buffers written by
@@ -26,15 +27,15 @@ from torch import nn
 
 from metadist.comm import ops
 from metadist.strategies.flat import FlatParam
-from metadist.strategies.foreign_runs import resolved
+from metadist.strategies.foreign_runs import Placeholder, resolved
 from metadist.strategies.placement import flat_part, paste
 
 FlatRef = tuple[str, FlatParam, int]  # (attribute, flat, slot index)
 
 
 def parameter_order(root: nn.Module) -> dict[nn.Module, list[str]]:
-    """Each module's parameter names in registration order (taken before sharding removes
-    them): a state dict lists a module's parameters in this order."""
+    """Each module's parameter names in registration order: a state dict lists a module's
+    parameters in this order."""
     return {m: list(m._parameters) for m in root.modules()}
 
 
@@ -70,14 +71,21 @@ class ShardedStateDict:
         def load(module: nn.Module, state_dict: dict[str, Any], prefix: str,
                  local_metadata: dict[str, Any], strict: bool, missing: list[str],
                  unexpected: list[str], error_msgs: list[str]) -> None:
-            self._load(module, state_dict, prefix, local_metadata, missing, error_msgs)
+            self._load(module, state_dict, prefix, local_metadata, error_msgs)
+
+        def loaded(module: nn.Module, incompatible: Any) -> None:
+            self._loaded(module, incompatible.missing_keys)
 
         self.handles = []
+        #: per module, the keys its last load took (torch, seeing placeholders, lists them
+        #: as missing; the post-hook strikes them off)
+        self._taken: dict[nn.Module, list[str]] = {}
         for m in self._tree:
             self.handles.append(m.register_state_dict_pre_hook(enter))
             self.handles.append(m.register_state_dict_post_hook(leave))
             if m in self.own:
                 self.handles.append(m.register_load_state_dict_pre_hook(load))
+                self.handles.append(m.register_load_state_dict_post_hook(loaded))
 
     # ----- saving -----------------------------------------------------------------------
     def _enter(self, module: nn.Module, keep_vars: bool) -> None:
@@ -113,7 +121,7 @@ class ShardedStateDict:
                 keep_vars: bool) -> None:
         new: dict[str, torch.Tensor] = {}
         for attr, flat, i in self.own[module]:
-            if attr in module._parameters:
+            if not _ours(module._parameters.get(attr), flat, i):
                 continue  # bound explicitly (DistributedModule.bound): torch wrote it
             key = prefix + attr
             value = self._value(flat, i, keep_vars)
@@ -160,11 +168,12 @@ class ShardedStateDict:
 
     # ----- loading ----------------------------------------------------------------------
     def _load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
-              local_metadata: dict[str, Any], missing: list[str],
-              error_msgs: list[str]) -> None:
+              local_metadata: dict[str, Any], error_msgs: list[str]) -> None:
         entries = self.own.get(module)
         if entries is None:
             return
+        taken = self._taken.setdefault(module, [])
+        taken.clear()
         if local_metadata.get("assign_to_params_buffers", False):
             raise ValueError(
                 "load_state_dict(..., assign=True) on a zero3/hsdp model: its parameters "
@@ -174,11 +183,11 @@ class ShardedStateDict:
         for attr, flat, i in entries:
             key = prefix + attr
             if key not in state_dict:
-                missing.append(key)
-                continue
-            # Taken out of this module's copy of the dict, so that torch does not report
-            # it as unexpected (the module has no such parameter while set up).
+                continue  # torch lists it as missing
+            # Taken out of this module's copy of the dict: torch must not copy it into the
+            # placeholder (it lists it as missing, which _loaded strikes off).
             value = state_dict.pop(key)
+            taken.append(key)
             slot = flat.slots[i]
             if not torch.overrides.is_tensor_like(value):
                 error_msgs.append(
@@ -202,6 +211,21 @@ class ShardedStateDict:
                     f"{value.size()}, an exception occurred : {ex.args}.")
         if wrote:
             self._on_load()
+
+    def _loaded(self, module: nn.Module, missing: list[str]) -> None:
+        for key in self._taken.pop(module, ()):
+            if key in missing:
+                missing.remove(key)
+
+
+def _ours(held: Any, flat: FlatParam, i: int) -> bool:
+    """Whether a module's registry entry for parameter ``i`` of ``flat`` is the strategy's
+    (a placeholder, a view of the gathered buffer, fast weights bound for a computation),
+    so the state dict takes the shards' values; otherwise the caller bound it explicitly."""
+    if isinstance(held, Placeholder) or resolved((flat, i)) is not None:
+        return True
+    return (isinstance(held, torch.Tensor) and flat.gathered and not held.is_meta
+            and held.untyped_storage().data_ptr() == flat.full.untyped_storage().data_ptr())
 
 
 def _copy_slice(flat: FlatParam, i: int, value: torch.Tensor) -> None:

@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from metadist.strategies.backward_holds import BackwardHolds
-from metadist.strategies.bind import place_of, write
+from metadist.strategies.bind import held_at, place_of, write
 from metadist.strategies.flat import FlatParam
 from metadist.strategies.foreign_runs import Placeholder
 from metadist.strategies.unit_state import TRANSITIONS, UnitState, check_transition
@@ -208,7 +208,7 @@ class Unit:
         attributes is left to bind is not gathered at all."""
         for flat in self.flats:
             uses = [[(module, attr) for module, attr in slot.uses
-                     if self._ours(module.__dict__.get(attr), self._bound.get((module, attr)))]
+                     if self._ours(held_at(module, attr), self._bound.get((module, attr)))]
                     for slot in flat.slots]
             if not any(uses):
                 continue
@@ -282,7 +282,7 @@ class Unit:
             self._bind()
         else:  # the original graph's views, where freeing the buffer put placeholders
             write((place_of(module, attr), view) for (module, attr), view in self._bound.items()
-                  if isinstance(module.__dict__.get(attr), Placeholder))
+                  if isinstance(held_at(module, attr), Placeholder))
 
     def post_forward(self, member: nn.Module, output: Any) -> None:
         """A member's forward returned (or raised): close the unit once the members the

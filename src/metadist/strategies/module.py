@@ -10,8 +10,8 @@ runs the module with any such dictionary (e.g. weights adapted in an inner loop)
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from metadist.precision import Precision
 from metadist.strategies.bind import bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
+from metadist.strategies.cooperative import cooperating
 from metadist.strategies.fast_weights import FastWeights, ReplicatedLayout
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.placement import ModulePlacement, replicated_module
@@ -171,7 +172,8 @@ class DistributedModule(nn.Module):
         named keep their current values. A name the module does not have raises (rather
         than being ignored)."""
         if isinstance(params, FastWeights):
-            params = params.full()
+            with cooperating(None, params.layout.group_size()):
+                return self.functional_forward(params.full(), *args, **kwargs)
         self.pre_forward()
         with bind_parameters(self.module, params):
             return self.run(self.module, args, kwargs)
@@ -185,7 +187,7 @@ class DistributedModule(nn.Module):
         restored on exit. The meta engine runs a problem's whole computation in one."""
         self.wait_params()
         if isinstance(params, FastWeights):  # whole tensors here
-            params = params.full()
+            return _bound_fast(self.module, params)
         return bind_parameters(self.module, params)
 
     def split_gradients(self) -> dict[torch.Tensor, Split]:
@@ -234,3 +236,10 @@ class DistributedModule(nn.Module):
         for i in range(start, len(error_msgs)):
             error_msgs[i] = re.sub(rf"(?<![\w.]){re.escape(inner)}", lambda _: prefix,
                                    error_msgs[i])
+
+
+@contextmanager
+def _bound_fast(module: nn.Module, fast: FastWeights) -> Iterator[None]:
+    """A cooperative problem's computation on whole fast weights."""
+    with cooperating(None, fast.layout.group_size()), bind_parameters(module, fast.full()):
+        yield

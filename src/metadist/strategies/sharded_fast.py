@@ -34,6 +34,7 @@ from metadist.comm import functional, ops
 from metadist.runtime.world import SELF
 from metadist.strategies.bind import Saved, place_of, restore, write
 from metadist.strategies.buckets import will_accumulate
+from metadist.strategies.cooperative import cooperating
 from metadist.strategies.fast_ahead import Ahead, gather_now
 from metadist.strategies.fast_weights import check_even_weights, require_all
 from metadist.strategies.flat import (
@@ -307,9 +308,12 @@ def fast_forward(root: nn.Module, pieces: Mapping[FlatParam, Tensor],
     every flat of the model (a read of one of its parameters outside the units' forwards
     is served from the fast weights too)."""
     forward = FastForward(pieces, root_unit, flats)
+    group = next(iter(pieces)).group
     token = _ACTIVE.set(MappingProxyType({**_ACTIVE.get(), id(root): forward}))
     try:
-        with saved_as_shards():
+        with cooperating(group, ops.group_info(group)[1],
+                         ops.group_info(next(iter(pieces)).replicate_group)[1]), \
+                saved_as_shards():
             forward.enter(forward.root_unit)
             try:
                 yield forward

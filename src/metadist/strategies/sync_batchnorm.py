@@ -17,6 +17,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from metadist.comm import functional, ops
 from metadist.runtime.world import Group
+from metadist.strategies.cooperative import cooperating_group, uses_batch_statistics
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -25,6 +26,9 @@ class SyncBatchNorm(_BatchNorm):
     #: torch.compile runs it eagerly (strategies/compile.py): Dynamo must not trace its
     #: collective, whose graph would replay one step's sizes and group.
     compile_eagerly = True
+    #: in a cooperative inner problem its statistics are that problem's group's
+    #: (strategies/cooperative.py)
+    group_aware = True
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
@@ -40,8 +44,9 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        if not use_batch_stats or ops.group_info(self.group)[1] == 1:
+        active = cooperating_group()
+        group = self.group if active is None else active
+        if not uses_batch_statistics(self) or ops.group_info(group)[1] == 1:
             return self._local(x)
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
@@ -50,7 +55,7 @@ class SyncBatchNorm(_BatchNorm):
             x.square().sum(dims, dtype=torch.float64),
             x.new_full((1,), x.numel() // channels, dtype=torch.float64),
         ])
-        total = functional.all_reduce(local, "sum", group=self.group)
+        total = functional.all_reduce(local, "sum", group=group)
         count = total[-1]
         mean64 = total[:channels] / count
         var64 = total[channels:2 * channels] / count - mean64.square()

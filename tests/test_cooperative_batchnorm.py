@@ -4,7 +4,8 @@ batch the ranks of a group split, so batch statistics must be the group's
 
 * With ``sync_batchnorm=True`` second-order MAML equals one process on the whole batch
   under ddp, zero3 and hsdp 2x2, where the statistics are the node's (its task's), not the
-  world's (before: hsdp's reduced over both nodes, mixing two tasks, silently).
+  world's (before: hsdp's reduced over both nodes, mixing two tasks, silently), also when
+  activation checkpointing recomputes the layer in backward, outside the forward's block.
 * A plain BatchNorm with batch statistics raises, naming ``sync_batchnorm=True`` (before:
   zero3 silently normalised each rank's slice by itself; ddp stopped in autograd with an
   in-place error that named nothing).
@@ -93,7 +94,8 @@ def _train(strategy: str, options: dict[str, Any], track: bool) -> Any:
 
 @pytest.mark.parametrize(("strategy", "n", "nnodes", "options", "track"), [
     ("ddp", 2, 1, {}, True), ("zero3", 2, 1, UNITS, True), ("zero3", 3, 1, UNITS, False),
-    ("hsdp", 4, 2, UNITS, False)])
+    ("hsdp", 4, 2, UNITS, False),
+    ("hsdp", 4, 2, {**UNITS, "activation_checkpointing": nn.BatchNorm1d}, False)])
 def test_synchronised_batchnorm_in_a_cooperative_problem_equals_one_process(
         strategy: str, n: int, nnodes: int, options: dict[str, Any], track: bool) -> None:
     want = _reference(track)

@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from metadist.strategies import cooperative
 from metadist.strategies.bind import Rebinding, bound_within, captured, explicit_marks
 from metadist.strategies.sharded_fast import Resumed
 from metadist.strategies.wrap import CHECKPOINTED
@@ -55,8 +56,9 @@ class CheckpointWrapper(nn.Module):
         explicit = bound_within(self.checkpointed, marks)
         rebound = Rebinding(captured(self.checkpointed) if explicit else [],
                             marks=marks if explicit else frozenset())
-        # zero3/hsdp fast weights: the recomputation gathers the same fast weights
-        recompute = _Both(rebound, Resumed())
+        # zero3/hsdp fast weights: the recomputation gathers the same fast weights; in a
+        # cooperative problem its batch-wide layers reduce over the same group
+        recompute = _Both(rebound, _Both(Resumed(), cooperative.Resumed()))
 
         def contexts() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
             return nullcontext(), recompute

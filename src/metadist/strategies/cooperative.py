@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import Any
 
 from torch import nn
@@ -93,3 +93,20 @@ def _check_layer(module: nn.Module, args: Any) -> None:
         "the whole batch. Set the strategy up with sync_batchnorm=True (statistics over the "
         "ranks that share the problem, exact), or use a layer without batch statistics "
         "(GroupNorm, LayerNorm, or this layer in eval mode)")
+
+
+class Resumed:
+    """The cooperative computation running at construction, re-entered around a
+    recomputation in backward (activation checkpointing), where the forward's block has
+    long exited: the recomputed layers must reduce over the group the forward did.
+    Re-enterable (a graph may be recomputed more than once)."""
+
+    def __init__(self) -> None:
+        self.active = _GROUP.get()
+        self._tokens: list[Token[tuple[Group, int, int] | None]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_GROUP.set(self.active))
+
+    def __exit__(self, *exc: object) -> None:
+        _GROUP.reset(self._tokens.pop())

@@ -370,3 +370,27 @@ def test_batchnorm_on_several_ranks_warns_once_naming_the_option() -> None:
     assert len(unsynced[0]) == 1 and unsynced[1] == []  # rank 0 says it, once
     assert "strategy_options={'sync_batchnorm': True}" in unsynced[0][0]
     assert run_on_ranks(_batchnorm_warnings, 2, args=({"sync_batchnorm": True},)) == [[], []]
+
+
+def _indexed(impl: str, strategy: str = "default") -> dict[str, Any]:
+    if impl == "betty":
+        peers.use()
+        peers.quiet_betty()
+    from betty_programs.indexed import run as indexed
+
+    return indexed(impl, strategy)
+
+
+def test_a_problem_reaches_its_module_as_a_container_as_on_betty() -> None:
+    """``self.module[0]``, ``len(self.module)`` and iteration over a problem's module, as
+    Betty's "default" strategy allows (before: TypeError, the set-up model was not
+    subscriptable), give Betty's numbers (float64, the same operations: 1e-10), and the same
+    on 2 ranks under "distributed" and "fsdp"."""
+    want = peers.run_on(1, _indexed, ("betty",))[0]
+    got = run_on_ranks(_indexed, 1, args=("compat",))[0]
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12)
+    for strategy in ("distributed", "fsdp"):
+        for rank, result in enumerate(run_on_ranks(_indexed, 2, args=("compat", strategy))):
+            assert_tensors_close(result, want, f"{strategy} rank={rank}")

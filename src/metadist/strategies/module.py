@@ -62,6 +62,30 @@ class DistributedModule(nn.Module):
                     "change it with model.load_state_dict({...}) (every rank)") from None
             return value
 
+
+    # A container module (nn.Sequential, ModuleList, ModuleDict) reads as itself through the
+    # wrapper: indexing, length, iteration and truthiness are the user's module's (each
+    # raises TypeError where the user's module has none, as on a plain module).
+    def __getitem__(self, key: Any) -> Any:
+        return self._user_module("subscriptable")[key]
+
+    def __len__(self) -> int:
+        return len(self._user_module("sized"))
+
+    def __iter__(self) -> Iterator[Any]:
+        out: Iterator[Any] = iter(self._user_module("iterable"))
+        return out
+
+    def __bool__(self) -> bool:
+        # (a patched copy under construction, e.g. higher's, may not hold the module yet)
+        inner = self.__dict__.get("_modules", {}).get("module")
+        return True if inner is None else bool(inner)
+
+    def _user_module(self, what: str) -> Any:
+        inner = self.__dict__.get("_modules", {}).get("module")
+        if inner is None:
+            raise TypeError(f"'{type(self).__name__}' object is not {what}")
+        return inner
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
 

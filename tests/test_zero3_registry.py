@@ -138,6 +138,10 @@ def _outside(check: str) -> Any:
         return sum(p.numel() for p in net.parameters()), [n for n, _ in net.named_parameters()]
     if check == "state_dict":
         return {k: v.clone() for k, v in net.state_dict().items()}
+    if check == "to":  # moving or converting the set-up model moves its shards
+        for convert in (lambda: model.to("cpu"), model.float, model.cpu):
+            convert()
+        return [n for n, _ in net.named_parameters()]
     try:
         if check == "penalty":
             model(x)
@@ -145,6 +149,8 @@ def _outside(check: str) -> Any:
             s.backward(((model(x) - y) ** 2).mean())
             if check == "zero_grad":
                 net.zero_grad()
+            elif check == "net.to":
+                net.to("cpu")
             else:  # a hand-written gradient norm over the user's module
                 sum(p.grad.norm() ** 2 for p in net.parameters() if p.grad is not None)
     except RuntimeError as e:
@@ -154,15 +160,18 @@ def _outside(check: str) -> Any:
 
 def test_reads_between_forwards_describe_or_refuse() -> None:
     """Between forwards the user's module lists its parameters as one process's does
-    (names, shapes: a parameter count is right), its state dict is one process's, and what
+    (names, shapes: a parameter count is right), ``model.to(...)`` and ``.float()`` move the
+    shards and leave it so, its state dict is one process's, and what
     needs values or gradients there raises, naming what to write (before: the module looked
     empty, so ``net.zero_grad()`` and a hand-written gradient norm silently did nothing)."""
     plain = Net()
     count = sum(p.numel() for p in plain.parameters()), [n for n, _ in plain.named_parameters()]
     assert run_on_ranks(_outside, 2, args=("count",)) == [count, count]
+    assert run_on_ranks(_outside, 2, args=("to",)) == [count[1]] * 2  # in their order
     for got in run_on_ranks(_outside, 2, args=("state_dict",)):
         assert_tensors_close(got, plain.state_dict(), "net.state_dict()")
     for check, says in (("zero_grad", "optimizer.zero_grad()"), ("norm", "model.parameters()"),
+                        ("net.to", "model.to(...)"),
                         ("penalty", "full_parameters")):
         for message in run_on_ranks(_outside, 2, args=(check,)):
             assert message is not None and "zero3" in message and says in message, (

@@ -144,6 +144,11 @@ _DESCRIBES = frozenset({
     "is_sparse", "itemsize", "nbytes", "names", "_is_view", "untyped_storage"})
 
 
+#: what nn.Module._apply calls (module.to/cpu/cuda/float/...): answered with the set-up model
+_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type",
+                          "share_memory_"})
+
+
 class Placeholder(torch.Tensor):
     """A zero3/hsdp parameter between forwards, in its module's registry and attribute: a
     meta tensor that describes the parameter (``parameters()`` lists it, a count of
@@ -184,6 +189,12 @@ class Placeholder(torch.Tensor):
             raise RuntimeError(_per_rank_copy(
                 f"{_LIBRARIES[library]} read {fqn!r} ({name}) to copy the model, which "
                 "runs as it is under ddp, zero1 and zero2"))
+        if name in _CONVERSIONS:
+            raise RuntimeError(
+                f"{fqn!r} of the set-up model holds no values to move or convert ({name} read "
+                "it): under zero3/fsdp/hsdp the values are the flat shards. Move or convert the "
+                "model strategy.setup returned (model.to(...), model.float()), which moves its "
+                "shards and buffers and leaves your module's placeholders in place")
         if name == "grad":
             raise RuntimeError(
                 f"{fqn!r} of the set-up model has no .grad: under zero3/fsdp/hsdp its gradient "

@@ -268,6 +268,30 @@ class ShardedModule(DistributedModule):
                     placed.append((place_of(module, attr), value))
         return Rebinding(placed, self.module)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
+        """``model.to(...)``, ``.float()``, ``.cpu()``: the shards and buffers move or
+        convert; the user's modules' placeholders, which hold no values, are set aside for
+        the call and put back in their places (registration order kept)."""
+        registries: dict[int, tuple[dict[str, Any], list[str], dict[str, Any]]] = {}
+        for flat in self.flats:
+            for slot, placeholder in zip(flat.slots, flat.placeholders, strict=True):
+                for module, attr in slot.uses:
+                    registry: dict[str, Any] = module._parameters
+                    if registry.get(attr) is placeholder:
+                        entry = registries.setdefault(id(registry),
+                                                      (registry, list(registry), {}))
+                        entry[2][attr] = registry.pop(attr)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for registry, order, aside in registries.values():
+                current = dict(registry)
+                registry.clear()  # the same dict: bindings hold it as their place
+                registry.update({k: aside[k] if k in aside else current[k] for k in order
+                                 if k in aside or k in current})
+                registry.update({k: v for k, v in current.items() if k not in order})
+        return self
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The shards (what the optimizer steps); inside :meth:`bound`, the bound full

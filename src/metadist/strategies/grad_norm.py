@@ -221,9 +221,9 @@ def _refuse_emptied(parameters: Any, name: str) -> None:
     if not any(id(p) in splits for p in owner.parameters(recurse=recurse)):  # not the wrapper
         raise RuntimeError(
             f"torch.nn.utils.{name} over {type(owner).__name__}.parameters() of a zero3/hsdp "
-            "model: your module holds placeholders, not values or gradients, while set up (they "
-                "are flat shards, "
-            "which model.parameters() yields), so nothing would be clipped; use "
+            "model: your module holds placeholders, not values or gradients, while set up "
+            "(they are flat shards, which model.parameters() yields), so nothing would be "
+            "clipped; use "
             + (_CLIP if name == "clip_grad_norm_" else
                "torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)"))
 

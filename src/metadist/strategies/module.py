@@ -62,7 +62,6 @@ class DistributedModule(nn.Module):
                     "change it with model.load_state_dict({...}) (every rank)") from None
             return value
 
-
     # A container module (nn.Sequential, ModuleList, ModuleDict) reads as itself through the
     # wrapper: indexing, length, iteration and truthiness are the user's module's (each
     # raises TypeError where the user's module has none, as on a plain module).
@@ -86,6 +85,7 @@ class DistributedModule(nn.Module):
         if inner is None:
             raise TypeError(f"'{type(self).__name__}' object is not {what}")
         return inner
+
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
 

@@ -308,12 +308,11 @@ def fast_forward(root: nn.Module, pieces: Mapping[FlatParam, Tensor],
     every flat of the model (a read of one of its parameters outside the units' forwards
     is served from the fast weights too)."""
     forward = FastForward(pieces, root_unit, flats)
-    group = next(iter(pieces)).group
+    first = next(iter(pieces))  # every flat has the same shard and replica groups
     token = _ACTIVE.set(MappingProxyType({**_ACTIVE.get(), id(root): forward}))
     try:
-        with cooperating(group, ops.group_info(group)[1],
-                         ops.group_info(next(iter(pieces)).replicate_group)[1]), \
-                saved_as_shards():
+        with cooperating(first.group, ops.group_info(first.group)[1],
+                         ops.group_info(first.replicate_group)[1]), saved_as_shards():
             forward.enter(forward.root_unit)
             try:
                 yield forward

@@ -205,9 +205,10 @@ def _expected_calls(units: int, saved: int, turns: int = 0) -> dict[str, int]:
     outer backward through the K + 1 forwards and the K recorded backwards.
     Reduce-scatters: every unit's gradient in the K inner backwards and of the K + 1
     forwards in the outer one, and each saved weight's K second-order gradients.
-    ``turns``: reads served by the gather before them (with prefetch, where the outer
-    backward turns from an inner step's recorded backward to its forward, on the same
-    weight: strategies/fast_ahead.py), K of them."""
+    ``turns``: reads served by a gather made before them (with prefetch,
+    strategies/fast_ahead.py): each forward's last unit kept for the backward that follows
+    it (K + 1), and where the outer backward turns from an inner step's recorded backward to
+    its forward, on the same weight (K)."""
     gathers = (K + 1) * units + K * units + (K + K + 1 + K) * saved - turns
     scatters = K * units + (K + 1) * units + K * saved
     return {"all_gather": gathers, "reduce_scatter": scatters}
@@ -309,7 +310,8 @@ def _time_tables(out: Results, args: argparse.Namespace) -> None:
                "time ratio sharded / gathered", "serial / gathered",
                "launch medians ms (min-max)"], rows, key="time")
     out.data["time"] = timing
-    expected = {path: _expected_calls(args.depth, args.depth - 1, K if path == "sharded" else 0)
+    expected = {path: _expected_calls(args.depth, args.depth - 1,
+                                      2 * K + 1 if path == "sharded" else 0)
                 for path in ("sharded", "serial")}
     unit_bytes = args.width * (args.width + 1) * 4
     rows = []

@@ -6,7 +6,8 @@ that reads saved weights again. What these tests hold it to:
   same collectives on the same sources);
 * every gather started ahead is used on this model (benchmarks/sharded_meta.py counts the
   traffic against the formula too), and all but the first of each forward and of each
-  backward's reads are started ahead;
+  backward's reads are started ahead or kept from the read before (a forward's last unit
+  for the backward that follows it, one at a time);
 * a guess that does not come (a forward whose order changes) is dropped: the ranks stay in
   step and the result is still one process's.
 """
@@ -22,7 +23,7 @@ from torch import nn
 import fast_meta
 import metadist
 from metadist.strategies import fast_ahead
-from metadist.testing import run_on_ranks
+from metadist.testing import bytes_kept_by, run_on_ranks
 from parity import assert_tensors_close
 
 WIDE = {"wrap_classes": (nn.Linear,)}
@@ -65,13 +66,14 @@ def test_gathers_start_ahead_and_change_no_value(n: int) -> None:
         # every read served once: by a gather ahead, one where it is needed, or a kept one
         assert a["used"] + a["at_use"] + a["kept"] == s["at_use"], (a, s)
         assert a["started"] == a["used"], f"rank {rank}: a gather started ahead was unused: {a}"
-        # Where none can be started ahead: the first saved weight each backward reads, in
-        # the K inner backwards and, in the outer one, in each of the K + 1 forwards (every
-        # forward's first unit follows the root unit: it is gathered ahead). The outer
-        # backward reads each inner forward's weights twice in a row (through the backward
-        # recorded on it, first to last, then back): the turn is served by the last gather.
-        assert a["at_use"] == K + (K + 1), (rank, a)
-        assert a["kept"] == K, (rank, a)
+        # Every forward's first unit follows the root unit: it is gathered ahead. A
+        # forward's last unit stays gathered for the backward that follows and reads it
+        # first: the K inner backwards and the outer one's read of the outer forward
+        # (K + 1). The outer backward reads each inner forward's weights twice in a row
+        # (through the backward recorded on it, first to last, then back): the turn is
+        # served by the last gather (K). None serves the first read of each of those walks.
+        assert a["at_use"] == K, (rank, a)
+        assert a["kept"] == (K + 1) + K, (rank, a)
 
 
 class _Reorder(nn.Module):
@@ -132,3 +134,33 @@ def test_a_kept_or_gathered_buffer_is_used_only_while_nothing_changed() -> None:
     piece.add_(1.0)
     assert moved.take(piece) is None
     assert fast_ahead.Ahead(piece, None, kept=buffer).take(piece.clone()) is None
+
+
+def _forwards_kept(prefetch: bool, forwards: int) -> dict[str, Any]:
+    """The bytes ``forwards`` forwards on fast weights leave alive before any backward (their
+    graphs, and a last unit kept whole), and the meta-gradient of their summed losses."""
+    s = metadist.strategy("zero3", prefetch=prefetch, **WIDE)
+    model = fast_meta.wide_net(width=24, depth=DEPTH)
+    model, _ = s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(forwards, 12, 24, generator=g)
+    fast = model.fast_weights()
+    fast = fast - 0.1 * fast.grad(model.functional_forward(fast, x[0]).square().mean())
+    losses, kept = bytes_kept_by(lambda: [model.functional_forward(fast, x[i]).square().mean()
+                                          for i in range(forwards)])
+    s.backward(sum(losses))
+    return {"kept": kept, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def test_forwards_before_a_backward_keep_one_last_unit_between_them() -> None:
+    """Each forward's last unit stays whole for the backward that follows; four forwards
+    before any backward keep one such unit between them, not four (a later forward's keep
+    lets the earlier one go), and the meta-gradient is the one of no prefetch, bit for bit."""
+    ahead = run_on_ranks(_forwards_kept, 2, args=(True, 4), timeout=300)
+    serial = run_on_ranks(_forwards_kept, 2, args=(False, 4), timeout=300)
+    one = 24 * 25 * 4  # one Linear(24, 24) unit, whole (float32; 2 ranks divide it evenly)
+    for rank in range(2):
+        assert ahead[rank]["kept"] - serial[rank]["kept"] == one, (rank, ahead[rank]["kept"],
+                                                                  serial[rank]["kept"])
+        for name, want in serial[rank]["grads"].items():
+            assert torch.equal(ahead[rank]["grads"][name], want), (rank, name)

@@ -8,6 +8,8 @@ So the gather most likely needed next is started while the current unit computes
 
 * **Forward.** When a unit opens, the unit that followed it in the model's last forward on
   fast weights is gathered ahead (its order is the model's, :attr:`Schedule.fast_order`).
+* **The turn to backward.** The last unit of a forward stays gathered after it runs
+  (:class:`LastUnit`): the backward that follows reads its saved weights first.
 * **Backward.** When a saved view is gathered again, the saved weights of the unit next to it
   in its forward are gathered ahead, in the direction the backward is going: a plain
   backward reads a forward's units last to first, the backward of a recorded backward
@@ -17,8 +19,8 @@ The guesses are the same on every rank: they depend only on the order units run 
 views are read, which the program fixes, never on timing. A gather started ahead that is not
 used (the guess was wrong, or the unit's source changed in place since) is waited and
 dropped, so the collectives stay in step on every rank and the value used is always a gather
-of the current source. At most one is in flight for the forward and one for the backward:
-each costs at most one unit's buffer.
+of the current source. At most one is in flight for the forward and one for the backward,
+and one forward's last unit is kept: each costs at most one unit's buffer.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class Ahead:
     (taken or dropped) before it is let go: on gloo a receive dropped unwaited is cancelled,
     and its peer's send, which waits for it, holds up every later send to that peer."""
 
-    __slots__ = ("buffer", "handle", "kept", "kept_version", "source", "version")
+    __slots__ = ("__weakref__", "buffer", "handle", "kept", "kept_version", "source",
+                 "version")
 
     def __init__(self, source: Tensor, flat: FlatParam | None, ahead: bool = True,
                  kept: Tensor | None = None) -> None:
@@ -191,3 +194,32 @@ class BackwardAhead(threading.local):
 
 
 BACKWARD = BackwardAhead()
+
+
+class LastUnit(threading.local):
+    """The last unit of the latest forward on fast weights, kept whole for the backward
+    that usually follows at once and reads that unit's saved weights first (FSDP2 keeps its
+    root unit for the same read). One at a time per thread: forwards that run before any
+    backward keep at most one unit alive between them. Held weakly: only the gather's record
+    holds the buffer, so a kept buffer no read takes goes with its graph, or with the next
+    forward's keep."""
+
+    def __init__(self) -> None:
+        self.kept: tuple[weakref.ref[Neighbours], weakref.ref[Ahead]] | None = None
+
+    def keep(self, gathered: Neighbours, buffer: Tensor) -> None:
+        self.drop()
+        if gathered.ahead is None:
+            self.kept = (weakref.ref(gathered), weakref.ref(gathered.keep(buffer)))
+
+    def drop(self) -> None:
+        if self.kept is None:
+            return
+        gathered, ahead = self.kept[0](), self.kept[1]()
+        self.kept = None
+        if gathered is not None and ahead is not None and gathered.ahead is ahead:
+            gathered.ahead = None  # no read took it yet
+            ahead.drop()
+
+
+LAST_UNIT = LastUnit()

@@ -35,7 +35,7 @@ from metadist.runtime.world import SELF
 from metadist.strategies.bind import Saved, place_of, restore, write
 from metadist.strategies.buckets import will_accumulate
 from metadist.strategies.cooperative import cooperating
-from metadist.strategies.fast_ahead import Ahead, gather_now
+from metadist.strategies.fast_ahead import LAST_UNIT, Ahead, gather_now
 from metadist.strategies.fast_weights import check_even_weights, require_all
 from metadist.strategies.flat import (
     FlatParam,
@@ -175,7 +175,7 @@ class FastForward:
     def __init__(self, pieces: Mapping[FlatParam, Tensor], root_unit: Unit,
                  flats: Sequence[FlatParam]) -> None:
         self.pieces, self.root_unit, self.flats = pieces, root_unit, frozenset(flats)
-        self._open: dict[Unit, tuple[int, list[Saved], list[Gathered]]] = {}
+        self._open: dict[Unit, tuple[int, list[Saved], list[tuple[Gathered, Tensor]]]] = {}
         # read outside the units' forwards: the views, and their gather's record (the
         # saved-tensors hook finds it only while someone holds it)
         self._whole: dict[FlatParam, tuple[list[Tensor], Gathered]] = {}
@@ -207,6 +207,7 @@ class FastForward:
             return
         del self._open[unit]
         self._let_go(saved, made)
+        self._keep_if_last(unit, made)
         if not self._open:  # a recomputation (Resumed) ended: no gather may stay in flight
             self._drop_ahead()
 
@@ -218,10 +219,22 @@ class FastForward:
             self.root_unit.schedule.fast_order = self._seen
 
     @staticmethod
-    def _let_go(saved: list[Saved], made: list[Gathered]) -> None:
+    def _let_go(saved: list[Saved], made: list[tuple[Gathered, Tensor]]) -> None:
         restore(saved)  # the placeholders back; the buffers live on only in the graph
-        for gathered in made:
+        for gathered, _ in made:
             gathered.unit_left()
+
+    def _keep_if_last(self, unit: Unit, made: list[tuple[Gathered, Tensor]]) -> None:
+        """``unit`` ran last in the model's last forward on fast weights: its backward's
+        first read of a saved weight is this unit's, so its buffer stays for that read
+        (strategies/fast_ahead.py, :class:`LastUnit`)."""
+        order = self.root_unit.schedule.fast_order
+        if not made or not order or order[-1] is not unit or in_backward() \
+                or not self.root_unit.schedule.prefetch:
+            return
+        gathered, buffer = made[-1]
+        if gathered.packed:
+            LAST_UNIT.keep(gathered, buffer)
 
     def _source(self, flat: FlatParam) -> Tensor:
         """What ``flat`` is gathered from: its piece, or its shard without a graph (frozen
@@ -233,7 +246,7 @@ class FastForward:
                 flat.shard.detach()
         return out
 
-    def _bind(self, unit: Unit) -> tuple[list[Saved], list[Gathered]]:
+    def _bind(self, unit: Unit) -> tuple[list[Saved], list[tuple[Gathered, Tensor]]]:
         placed: list[tuple[tuple[dict[str, Any], str], Tensor]] = []
         made = []
         for flat in unit.flats:
@@ -242,7 +255,7 @@ class FastForward:
             gathered.follows(self._last)
             gathered.prefetch = self.root_unit.schedule.prefetch
             self._last = gathered
-            made.append(gathered)
+            made.append((gathered, views[0].detach()))  # the buffer, for _keep_if_last
             for slot, view in zip(flat.slots, views, strict=True):
                 placed += [(place_of(module, attr), view) for module, attr in slot.uses]
         return write(placed), made

@@ -310,7 +310,7 @@ class _Foreign:  # any class: a safe load must refuse to rebuild it
 def _bad_loads(path: str, full_path: str) -> dict[str, str]:
     """Save, then try broken loads: every one must fail with a clear error and leave the
     model and optimizer untouched."""
-    s = metadist.strategy("zero3", min_unit_params=40)
+    s = metadist.strategy("zero3", min_unit_params=40, sync_batchnorm=True)
     net = make_net()
     model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
     model(torch.randn(4, 10)).sum().backward()

@@ -414,7 +414,8 @@ def _offload_observed(cpu_offload: bool, breakage: str) -> dict[str, Any]:
         FlatParam.__init__ = broken_init  # type: ignore[method-assign]
     try:
         net = make_net()
-        s = metadist.strategy("zero3", min_unit_params=40, cpu_offload=cpu_offload)
+        s = metadist.strategy("zero3", min_unit_params=40, cpu_offload=cpu_offload,
+                              sync_batchnorm=True)
         model, opt = s.setup(net, make_optimizer("adam", net.parameters()))
     finally:
         torch.Tensor.cpu, FlatParam.__init__ = cpu, init  # type: ignore[method-assign]

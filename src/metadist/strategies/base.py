@@ -27,7 +27,7 @@ from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
-from metadist.strategies import deferred, grad_norm, ownership, step_chain
+from metadist.strategies import batch_statistics, deferred, grad_norm, ownership, step_chain
 from metadist.strategies.activation import CheckpointPolicy, apply_activation_checkpointing
 from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
@@ -177,8 +177,11 @@ def _check_option_type(field: dataclasses.Field[Any], value: Any) -> None:
 class StrategyConfig:
     """Options every strategy accepts."""
 
-    #: Convert BatchNorm layers to metadist's cross-rank SyncBatchNorm (CPU and GPU).
-    sync_batchnorm: bool = False
+    #: BatchNorm statistics on several ranks: True converts BatchNorm layers to metadist's
+    #: cross-rank SyncBatchNorm (the global batch's, one process's result; CPU and GPU);
+    #: False keeps each rank's own (torch DDP's); None (not said) stops at the first
+    #: forward that would normalise by a rank's batch alone (strategies/batch_statistics.py).
+    sync_batchnorm: bool | None = None
     #: "32-true", "bf16-mixed", "16-mixed" (with a rank-synchronised loss scaler) or
     #: "bf16-true"; see metadist.precision.
     precision: str = "32-true"
@@ -278,6 +281,8 @@ class Strategy(ABC):
         if self.config.activation_checkpointing is not None:
             model = apply_activation_checkpointing(model, self.config.activation_checkpointing)
         module = self._setup_module(model)
+        batch_statistics.ask_for_the_choice(module.module, self.config.sync_batchnorm,
+                                            self.name, self._batch_parts(module))
         module.precision = precision
         if compiled is not None:
             compile_setup(module, compiled)
@@ -285,6 +290,11 @@ class Strategy(ABC):
             grad_norm.track(module)
         ownership.claim(module.parameters(), self.name, self._optimizer_needed())
         return module
+
+    def _batch_parts(self, module: DistributedModule) -> int:
+        """Into how many parts a forward's batch is split, each normalised apart by a plain
+        BatchNorm: the ranks."""
+        return self.world.world_size
 
     def _optimizer_needed(self) -> str | None:
         """Why an optimizer stepping this strategy's parameters must go through

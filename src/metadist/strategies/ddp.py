@@ -50,7 +50,8 @@ class ReplicatedModule(DistributedModule):
                 fused.fused_broadcast(buffers, src=0)
 
 
-def prepare_replicated(model: nn.Module, device: torch.device, sync_batchnorm: bool) -> nn.Module:
+def prepare_replicated(model: nn.Module, device: torch.device, sync_batchnorm: bool | None
+                       ) -> nn.Module:
     """Convert BatchNorm if asked, move to ``device`` and start every rank from rank 0's state."""
     if sync_batchnorm:
         model = convert_sync_batchnorm(model)

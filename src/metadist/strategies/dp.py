@@ -15,6 +15,7 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 from torch.optim import Optimizer
 
 from metadist.strategies.base import Strategy, register
+from metadist.strategies.batch_statistics import plain_batchnorms
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.module import DistributedModule
 
@@ -67,8 +68,20 @@ class DataParallelStrategy(Strategy):
         return list(range(count))
 
     def _setup_module(self, model: nn.Module) -> DistributedModule:
+        if self.config.sync_batchnorm and plain_batchnorms(model):
+            # before: accepted and ignored, each replica normalising its chunk alone
+            raise ValueError(
+                "strategy 'dp' runs its replicas in threads of one process, where BatchNorm "
+                "statistics cannot be reduced across them, so sync_batchnorm=True cannot be "
+                "honoured. Use metadist.strategy('ddp', sync_batchnorm=True) (one process per "
+                "GPU) for the global batch's statistics, or sync_batchnorm=False to normalise "
+                "each replica's chunk alone")
         ids = self._device_ids()
         return DataParallelModule(model.to(torch.device("cuda", ids[0])), ids)
+
+    def _batch_parts(self, module: DistributedModule) -> int:
+        assert isinstance(module, DataParallelModule)
+        return len(module.device_ids)  # each replica normalises its chunk of the batch
 
     def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         move_optimizer_state(optimizer)

@@ -42,7 +42,10 @@ def _native(config: EngineConfig) -> NativeConfig:
                               mode=config.early_stopping_mode,
                               patience=config.early_stopping_tolerance)
                 if config.early_stopping else None)
-    return NativeConfig(strategy=config.strategy, strategy_options=dict(config.strategy_options),
+    # Betty's DDP normalises each rank's batch alone: its BatchNorm, unless the program says
+    # otherwise (the engine warns once that it differs from one process)
+    options = {"sync_batchnorm": False, **config.strategy_options}
+    return NativeConfig(strategy=config.strategy, strategy_options=options,
                         train_iters=config.train_iters, valid_step=config.valid_step,
                         early_stopping=stopping, logger_type="none", log_step=0)
 

@@ -1,0 +1,86 @@
+"""A BatchNorm on several ranks: whose statistics it normalises by is said, never assumed.
+
+Under a data-parallel strategy a rank's forward sees its slice of the global batch. A plain
+BatchNorm normalises that slice by the slice's own mean and variance, so the outputs, the
+gradients and the running statistics are not one process's on the global batch (torch DDP's
+convention), and nothing shows it. Which statistics are meant is the strategy's
+``sync_batchnorm``:
+
+* ``True``: BatchNorm layers become :class:`~metadist.strategies.sync_batchnorm.SyncBatchNorm`,
+  statistics over the global batch: one process's result;
+* ``False``: each rank's slice by itself, as torch DDP does. One process's result where a
+  rank's batch is meant to be normalised alone (a task of its own);
+* unsaid (``None``, the default): the first forward on more than one rank that would
+  normalise by batch statistics stops, says what differs and asks for one of the two.
+
+Left alone: a forward on explicit whole parameters (``functional_forward``, ``bound``) is a
+per-rank-task computation (docs/meta-learning.md), whose batch is the rank's own task, so
+per-rank statistics are one process's there; and a cooperative inner problem
+(``fast_weights()``), which strategies/cooperative.py checks by its own rule. The check is
+a forward pre-hook on the plain BatchNorm layers of a model set up on several ranks with
+the choice unsaid; nothing else pays for it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.hooks import RemovableHandle
+
+from metadist.strategies.bind import explicit_parameters_active
+from metadist.strategies.cooperative import cooperating_group, uses_batch_statistics
+
+#: each checked layer's hook, removed by a later setup of the same module
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+def plain_batchnorms(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """The BatchNorm layers of ``model`` that normalise by their own rank's batch alone."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+            and not getattr(m, "group_aware", False)]
+
+
+def ask_for_the_choice(model: nn.Module, said: bool | None, strategy: str,
+                       world_size: int) -> None:
+    """Check the plain BatchNorm layers of ``model`` (set up by ``strategy`` on
+    ``world_size`` ranks) when ``sync_batchnorm`` was left unsaid; a setup that says it
+    removes an earlier setup's check."""
+    root = weakref.ref(model)
+    for name, layer in plain_batchnorms(model):
+        handle = _HANDLES.pop(layer, None)
+        if handle is not None:
+            handle.remove()
+        if said is None and world_size > 1:
+            _HANDLES[layer] = layer.register_forward_pre_hook(
+                _Check(root, name or type(model).__name__, strategy, world_size))
+
+
+class _Check:
+    """The pre-hook of one layer (holds the model weakly: the layer is inside it)."""
+
+    def __init__(self, root: weakref.ref[nn.Module], name: str, strategy: str,
+                 world_size: int) -> None:
+        self.root, self.name, self.strategy, self.world_size = root, name, strategy, world_size
+
+    def __call__(self, layer: _BatchNorm, args: Any) -> None:
+        if not uses_batch_statistics(layer) or cooperating_group() is not None:
+            return
+        root = self.root()
+        if root is not None and explicit_parameters_active(root):
+            return  # a per-rank-task computation: the batch is this rank's own task
+        # 'dp' splits the batch over replicas in one process, which cannot share statistics
+        part, synced = ("replica", "ddp") if self.strategy == "dp" else ("rank", self.strategy)
+        raise RuntimeError(
+            f"BatchNorm layer '{self.name}' ({type(layer).__name__}) would normalise this "
+            f"{part}'s slice of the batch by the slice's own statistics: on "
+            f"{self.world_size} {part}s under '{self.strategy}' its outputs, gradients and "
+            "running statistics would differ from one process's on the global batch. Say "
+            f"which you mean: metadist.strategy('{synced}', sync_batchnorm=True) for "
+            "the global batch's statistics (one process's result), or sync_batchnorm=False "
+            "to normalise each rank's batch alone, as torch DDP does (one process's result "
+            "only where each rank's batch is meant to be normalised by itself, e.g. a task "
+            "of its own)")

@@ -7,7 +7,8 @@ to other values than one process, silently (the default was ``sync_batchnorm=Fal
   and both choices (before: it ran and differed from one process);
 * ``sync_batchnorm=False`` normalises each rank's slice alone, as asked: the result of one
   process averaging the slices' losses, each slice normalised by itself;
-* ``sync_batchnorm=True`` is one process's result on the global batch;
+* ``sync_batchnorm=True`` is one process's result on the global batch, a ragged last batch
+  split unevenly over the ranks (stand-in samples included) too;
 * no check where batch statistics are not used (evaluation), nor on a per-rank-task forward
   on whole parameters, whose batch is the rank's own task: there per-rank statistics are
   one process's (that process runs each task's batch alone).
@@ -133,3 +134,58 @@ def test_dp_replicas_are_asked_and_cannot_synchronise() -> None:
     net.train()(x)
     with pytest.raises(ValueError, match=r"sync_batchnorm=True cannot be honoured.*'ddp'"):
         metadist.strategy("dp", sync_batchnorm=True).setup_module(parity.make_net())
+
+
+EPOCHS, PER_RANK = 5, 2
+
+
+def _ragged_data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(samples, parity.FEATURES, generator=g), \
+        torch.randn(samples, parity.OUT, generator=g)
+
+
+def _train_ragged(strategy: str, options: dict[str, Any], samples: int
+                  ) -> dict[str, torch.Tensor]:
+    """EPOCHS epochs through a distributed loader whose last global batch is ragged."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    s = metadist.strategy(strategy, sync_batchnorm=True, **options)
+    net = parity.make_net()
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    loader = s.setup_dataloader(DataLoader(TensorDataset(*_ragged_data(samples)),
+                                           batch_size=PER_RANK))
+    for _ in range(EPOCHS):
+        for x, y in loader:
+            opt.zero_grad()
+            s.backward(parity.loss_fn(model(x), y))
+            opt.step()
+    full = model.full_parameters()
+    return {**{n: p.detach().clone() for n, p in full.items()},
+            **{n: b.clone() for n, b in model.module.named_buffers()}}
+
+
+@pytest.mark.parametrize(("strategy", "n", "nnodes", "samples", "options"), [
+    ("ddp", 4, 1, 10, {}),  # last global batch 2: split 1, 1, 0, 0 (two stand-ins)
+    ("zero3", 3, 1, 10, UNITS),  # last global batch 4: split 2, 1, 1
+    ("hsdp", 4, 2, 14, UNITS)])  # last global batch 6: split 2, 2, 1, 1
+def test_synchronised_statistics_are_exact_on_a_ragged_last_batch(
+        strategy: str, n: int, nnodes: int, samples: int, options: dict[str, Any]) -> None:
+    """sync_batchnorm=True on a loader whose last global batch is split unevenly, with
+    stand-in samples where a rank is left without any: one process's parameters and running
+    statistics after 10 steps. Before, a rank's loss sent its gradient through the global
+    statistics unweighted by its share, and a stand-in's sample counted in them: 0.45,
+    0.044 and 0.028 apart in these three cases."""
+    x, y = _ragged_data(samples)
+    net = parity.make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    per_step = n * PER_RANK
+    for _ in range(EPOCHS):
+        for lo in range(0, samples, per_step):
+            opt.zero_grad()
+            parity.loss_fn(net(x[lo:lo + per_step]), y[lo:lo + per_step]).backward()
+            opt.step()
+    want = {**{k: p.detach() for k, p in net.named_parameters()}, **dict(net.named_buffers())}
+    for rank, got in enumerate(run_on_ranks(_train_ragged, n, nnodes=nnodes, timeout=300,
+                                            args=(strategy, options, samples))):
+        parity.assert_tensors_close(got, want, f"{strategy} n={n} rank={rank}")

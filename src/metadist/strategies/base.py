@@ -283,6 +283,7 @@ class Strategy(ABC):
         module = self._setup_module(model)
         batch_statistics.ask_for_the_choice(module.module, self.config.sync_batchnorm,
                                             self.name, self._batch_parts(module))
+        batch_statistics.weigh_by(module.module, self.batch_share)
         module.precision = precision
         if compiled is not None:
             compile_setup(module, compiled)
@@ -370,6 +371,15 @@ class Strategy(ABC):
             return 1.0 / self.world.world_size
         local, total = self._batch_weight
         return local / total
+
+    def batch_share(self) -> float:
+        """This rank's share of the global batch relative to an even split: exactly 1.0
+        where the ranks hold as many samples each, 0 for a stand-in batch."""
+        if self._batch_weight is None:
+            return 1.0
+        local, total = self._batch_weight
+        even = local * self.world.world_size
+        return 1.0 if even == total else even / total
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``, scaled under precision="16-mixed" (where it is required);

@@ -19,11 +19,20 @@ per-rank statistics are one process's there; and a cooperative inner problem
 (``fast_weights()``), which strategies/cooperative.py checks by its own rule. The check is
 a forward pre-hook on the plain BatchNorm layers of a model set up on several ranks with
 the choice unsaid; nothing else pays for it.
+
+A ragged global batch is split unevenly (metadist/data.py): each rank's gradient is weighted
+by its share, and a rank left without samples runs one stand-in sample of weight 0. A
+synchronised BatchNorm's statistics are the global batch's whatever the split, but the
+gradient a rank's loss sends through them to the other ranks' samples must carry that
+rank's share too, and a stand-in's sample must not count in them at all. So the
+synchronised layers of a set-up model read their strategy's share of this rank's batch
+(:func:`share_of`; see strategies/sync_batchnorm.py).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -35,6 +44,25 @@ from metadist.strategies.cooperative import cooperating_group, uses_batch_statis
 
 #: each checked layer's hook, removed by a later setup of the same module
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
+#: each synchronised layer's strategy's share of this rank's batch (Strategy.batch_share)
+_SHARES: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod[Callable[[], float]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def weigh_by(model: nn.Module, batch_share: Callable[[], float]) -> None:
+    """The synchronised BatchNorm layers of ``model`` weigh this rank's batch by
+    ``batch_share()`` (a strategy's bound method, held weakly)."""
+    for m in model.modules():
+        if getattr(m, "group_aware", False):
+            _SHARES[m] = weakref.WeakMethod(batch_share)
+
+
+def share_of(layer: nn.Module) -> float:
+    """This rank's share of the global batch through ``layer``, relative to an even split
+    (exactly 1.0 for an even one, 0 for a stand-in): its set-up strategy's, else 1."""
+    ref = _SHARES.get(layer)
+    share = None if ref is None else ref()
+    return 1.0 if share is None else share()
 
 
 def plain_batchnorms(model: nn.Module) -> list[tuple[str, _BatchNorm]]:

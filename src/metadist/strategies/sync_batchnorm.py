@@ -10,6 +10,8 @@ buffers stay identical without a broadcast.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,11 +19,34 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from metadist.comm import functional, ops
 from metadist.runtime.world import Group
+from metadist.strategies.batch_statistics import share_of
 from metadist.strategies.cooperative import cooperating_group, uses_batch_statistics
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, whose gradient is scaled by ``factor`` (differentiably: double
+    backward too)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
 class SyncBatchNorm(_BatchNorm):
-    """BatchNorm over the batch of every rank in ``group`` (any input with channels in dim 1)."""
+    """BatchNorm over the batch of every rank in ``group`` (any input with channels in dim 1).
+
+    Where a set-up model's ranks hold uneven shares of the global batch (a ragged last
+    batch), each rank's gradient is weighted by its share after the backward, while the
+    gradient its loss sends through the global statistics reaches every rank's samples. So
+    each rank's contribution to that exchange is weighted by its share relative to an even
+    split on the way in (and divided by it on the way back to its own samples, where the
+    strategy's weight then applies): the sum is the global objective's. A stand-in sample
+    (share 0) adds nothing to the statistics."""
 
     #: torch.compile runs it eagerly (strategies/compile.py): Dynamo must not trace its
     #: collective, whose graph would replay one step's sizes and group.
@@ -55,7 +80,12 @@ class SyncBatchNorm(_BatchNorm):
             x.square().sum(dims, dtype=torch.float64),
             x.new_full((1,), x.numel() // channels, dtype=torch.float64),
         ])
+        share = share_of(self) if active is None and self.group is None else 1.0
+        if share != 1.0:  # an uneven split of the global batch (see the class notes)
+            local = local * 0.0 if share == 0.0 else _ScaleGrad.apply(local, 1.0 / share)
         total = functional.all_reduce(local, "sum", group=group)
+        if share != 1.0:
+            total = _ScaleGrad.apply(total, share)
         count = total[-1]
         mean64 = total[:channels] / count
         var64 = total[channels:2 * channels] / count - mean64.square()

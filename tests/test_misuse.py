@@ -327,3 +327,39 @@ def test_single_under_a_multi_process_launch() -> None:
                                   "ranks: each would train its own copy of the model without "
                                   "ever syncing. Use a distributed strategy")
         assert "METADIST_LAUNCHER=single" in message
+
+
+def _convert_after_setup(strategy: str) -> dict[str, object]:
+    """``model.double()`` after setup, then ``model.to('cpu')`` and a training step."""
+    options = {"wrap_classes": (nn.Linear,)} if strategy == "zero3" else {}
+    s = metadist.strategy(strategy, **options)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.1))
+    try:
+        model.double()
+        refusal = ""
+    except RuntimeError as e:
+        refusal = str(e)
+    model.to("cpu")
+    dtype = next(iter(model.full_parameters().values())).dtype
+    s.backward(model(torch.randn(2, 4, dtype=dtype)).square().sum())
+    opt.step()
+    return {"refusal": refusal, "dtypes": {p.dtype for p in model.full_parameters().values()}}
+
+
+@pytest.mark.parametrize(("strategy", "n"), [("ddp", 2), ("zero1", 2), ("zero2", 2),
+                                             ("zero3", 2), ("zero3", 1), ("ddp", 1)])
+def test_a_dtype_conversion_after_setup_stops_where_the_strategy_cannot_follow(
+        strategy: str, n: int) -> None:
+    """Before: the conversion ran and the next backward failed with an unrelated message
+    (a gradient dtype mismatch in the buckets, a matmul of float64 by float32). Where the
+    strategy keeps no state built for the dtype (ddp on one rank: no buckets) it converts
+    as a plain module does."""
+    for got in run_on_ranks(_convert_after_setup, n, args=(strategy,)):
+        if strategy == "ddp" and n == 1:
+            assert got == {"refusal": "", "dtypes": {torch.float64}}, got
+            continue
+        assert "after setup is not supported" in str(got["refusal"]) \
+            and "before setup" in str(got["refusal"]), got
+        assert got["dtypes"] == {torch.float32}, got  # nothing changed; training goes on

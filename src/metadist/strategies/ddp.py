@@ -43,6 +43,9 @@ class ReplicatedModule(DistributedModule):
         self.reducer = reducer
         self._broadcast_buffers = broadcast_buffers and reducer is not None
 
+    def _dtype_bound_state(self) -> str | None:
+        return "gradient buckets" if self.reducer is not None else None
+
     def pre_forward(self) -> None:
         if self._broadcast_buffers:
             buffers = list(self.module.buffers())

@@ -137,7 +137,8 @@ class DeferredLog:
                     f"a meta tensor of shape {tuple(t.shape)} was not built under "
                     "metadist.deferred_init() (or was replaced after it, e.g. by .to() or "
                     ".half() outside the block): build the whole model inside the block, and "
-                    "convert it there or after setup")
+                    "convert it there (a conversion after setup is refused where the "
+                    "strategy's state would not follow)")
             if ref.key in self.broken:
                 raise ValueError(
                     f"a tensor of shape {tuple(t.shape)} cannot be materialised: "

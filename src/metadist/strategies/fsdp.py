@@ -268,6 +268,9 @@ class ShardedModule(DistributedModule):
                     placed.append((place_of(module, attr), value))
         return Rebinding(placed, self.module)
 
+    def _dtype_bound_state(self) -> str | None:
+        return "flat shards, their gradients and gathered buffers"
+
     def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
         """``model.to(...)``, ``.float()``, ``.cpu()``: the shards and buffers move or
         convert; the user's modules' placeholders, which hold no values, are set aside for

@@ -43,6 +43,34 @@ class DistributedModule(nn.Module):
         self._register_load_state_dict_pre_hook(DistributedModule._nest_keys, with_module=True)
         self.register_load_state_dict_post_hook(DistributedModule._unnest_keys)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> DistributedModule:
+        """``model.to(device)``, ``.cpu()``, ``.float()`` on a float model: as on a plain
+        module. A conversion to another dtype stops before it changes anything where the
+        strategy built state for the dtype at setup (:meth:`_dtype_bound_state`), which would
+        not follow: the next backward would fail far from the call, or train on mixed
+        dtypes."""
+        bound = self._dtype_bound_state()
+        floating = {(t.dtype, t.device) for t in (*self.parameters(), *self.buffers())
+                    if t.is_floating_point()} if bound is not None else set()
+        for dtype, device in sorted(floating, key=str):
+            to = fn(torch.empty(0, dtype=dtype, device=device)).dtype
+            if to != dtype:
+                raise RuntimeError(
+                    f"converting the set-up model's {dtype} tensors to {to} after setup is "
+                    f"not supported here: the strategy built its {bound} for {dtype}, and "
+                    f"they would not follow. Convert the module before setup "
+                    f"(net.to({to}), then strategy.setup(net, optimizer)), or compute in "
+                    "lower precision with the strategy's precision option (e.g. "
+                    "metadist.strategy(..., precision='bf16-mixed'))")
+        super()._apply(fn, recurse)
+        return self
+
+    def _dtype_bound_state(self) -> str | None:
+        """What of the strategy's state was built for the parameters' dtype at setup and
+        would not follow a conversion (None: nothing, a conversion works as on a plain
+        module)."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         # Attributes of the user's module (``model.vocab_size``, ``model.encode(...)``) read
         # through the wrapper as on a plain module; the wrapper's own come first.

@@ -213,6 +213,11 @@ class ZeroModule(ReplicatedModule):
             module.register_state_dict_pre_hook(lambda *_: gather.wait())
             module.register_load_state_dict_pre_hook(lambda *_: gather.wait())
 
+    def _dtype_bound_state(self) -> str | None:
+        if self.gather is not None:
+            return "gradient buckets and the owners' parameter regions"
+        return super()._dtype_bound_state()
+
     def wait_params(self) -> None:
         if self.gather is not None:
             self.gather.wait()

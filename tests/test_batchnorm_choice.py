@@ -10,8 +10,9 @@ to other values than one process, silently (the default was ``sync_batchnorm=Fal
 * ``sync_batchnorm=True`` is one process's result on the global batch, a ragged last batch
   split unevenly over the ranks (stand-in samples included) too;
 * no check where batch statistics are not used (evaluation), nor on a per-rank-task forward
-  on whole parameters, whose batch is the rank's own task: there per-rank statistics are
-  one process's (that process runs each task's batch alone).
+  on whole parameters or on a copy of the model (``module_clone``), whose batch is the
+  rank's own task: there per-rank statistics are one process's (that process runs each
+  task's batch alone).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 import metadist
 import parity
+from metadist.meta import module_clone
 from metadist.strategies import batch_statistics
 from metadist.testing import run_on_ranks
 
@@ -101,7 +103,8 @@ def _unchecked_forwards(strategy: str, options: dict[str, Any]) -> list[torch.Te
     params = model.full_parameters()
     task = model.functional_forward(params, mine)
     torch.autograd.grad(task.square().mean(), list(params.values()), allow_unused=True)
-    return [evaluated, task.detach()]
+    cloned = module_clone(model, by="copy")(mine)  # a copy each rank adapts on its task
+    return [evaluated, task.detach(), cloned.detach()]
 
 
 @pytest.mark.parametrize(("strategy", "options"), [("ddp", {}), ("zero3", UNITS)])
@@ -109,13 +112,15 @@ def test_evaluation_and_per_rank_tasks_are_not_checked(strategy: str,
                                                        options: dict[str, Any]) -> None:
     out = run_on_ranks(_unchecked_forwards, 2, timeout=300, args=(strategy, options))
     x = parity.batches(1)[0][0]
-    for rank, (evaluated, task) in enumerate(out):
+    for rank, (evaluated, task, cloned) in enumerate(out):
         net, mine = parity.make_net(), parity.shard(x, rank, 2)
         with torch.no_grad():
             want_eval = net.eval()(mine)  # running statistics as set up
             want_task = net.train()(mine)  # a task's batch normalised alone, as one process
+            want_clone = net(mine)  # after the task's forward updated the running statistics
         torch.testing.assert_close(evaluated, want_eval, rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(task, want_task, rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(cloned, want_clone, rtol=1.3e-6, atol=1e-5)
 
 
 def test_dp_replicas_are_asked_and_cannot_synchronise() -> None:

@@ -13,9 +13,10 @@ convention), and nothing shows it. Which statistics are meant is the strategy's
 * unsaid (``None``, the default): the first forward on more than one rank that would
   normalise by batch statistics stops, says what differs and asks for one of the two.
 
-Left alone: a forward on explicit whole parameters (``functional_forward``, ``bound``) is a
-per-rank-task computation (docs/meta-learning.md), whose batch is the rank's own task, so
-per-rank statistics are one process's there; and a cooperative inner problem
+Left alone: a forward on explicit whole parameters (``functional_forward``, ``bound``) or on
+a copy of the model (``module_clone``) is a per-rank-task computation
+(docs/meta-learning.md), whose batch is the rank's own task, so per-rank statistics are one
+process's there; and a cooperative inner problem
 (``fast_weights()``), which strategies/cooperative.py checks by its own rule. The check is
 a forward pre-hook on the plain BatchNorm layers of a model set up on several ranks with
 the choice unsaid; nothing else pays for it.
@@ -84,18 +85,23 @@ def ask_for_the_choice(model: nn.Module, said: bool | None, strategy: str,
             handle.remove()
         if said is None and world_size > 1:
             _HANDLES[layer] = layer.register_forward_pre_hook(
-                _Check(root, name or type(model).__name__, strategy, world_size))
+                _Check(root, layer, name or type(model).__name__, strategy, world_size))
 
 
 class _Check:
-    """The pre-hook of one layer (holds the model weakly: the layer is inside it)."""
+    """The pre-hook of one layer (holds the model and the layer weakly: the layer is inside
+    the model). A copy of the model (``module_clone``, ``copy.deepcopy``, learn2learn's
+    clones) copies the hook too, but a copy is a plain module each rank runs on its own,
+    the per-rank-task path: the hook checks only the layer it was installed on."""
 
-    def __init__(self, root: weakref.ref[nn.Module], name: str, strategy: str,
-                 world_size: int) -> None:
-        self.root, self.name, self.strategy, self.world_size = root, name, strategy, world_size
+    def __init__(self, root: weakref.ref[nn.Module], layer: nn.Module, name: str,
+                 strategy: str, world_size: int) -> None:
+        self.root, self.layer = root, weakref.ref(layer)
+        self.name, self.strategy, self.world_size = name, strategy, world_size
 
     def __call__(self, layer: _BatchNorm, args: Any) -> None:
-        if not uses_batch_statistics(layer) or cooperating_group() is not None:
+        if layer is not self.layer() or not uses_batch_statistics(layer) \
+                or cooperating_group() is not None:
             return
         root = self.root()
         if root is not None and explicit_parameters_active(root):

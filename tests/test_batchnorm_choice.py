@@ -134,6 +134,10 @@ def test_dp_replicas_are_asked_and_cannot_synchronise() -> None:
     with pytest.raises(RuntimeError, match=r"2 replicas under 'dp'.*strategy\('ddp', "
                                            r"sync_batchnorm=True\).*sync_batchnorm=False"):
         net(x)
+    # dp runs torch's replicas of the layer, made for each step (as replicate() makes them)
+    replica = net.norm._replicate_for_data_parallel()
+    with pytest.raises(RuntimeError, match=r"2 replicas under 'dp'"):
+        replica(torch.randn(4, parity.HIDDEN))
     net.eval()(x)  # running statistics: nothing differs
     batch_statistics.ask_for_the_choice(net, False, "dp", 2)  # a setup that says it
     net.train()(x)

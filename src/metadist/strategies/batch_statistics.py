@@ -92,7 +92,8 @@ class _Check:
     """The pre-hook of one layer (holds the model and the layer weakly: the layer is inside
     the model). A copy of the model (``module_clone``, ``copy.deepcopy``, learn2learn's
     clones) copies the hook too, but a copy is a plain module each rank runs on its own,
-    the per-rank-task path: the hook checks only the layer it was installed on."""
+    the per-rank-task path: the hook checks only the layer it was installed on, and the
+    replicas ``dp`` makes of it for each step (torch marks them ``_is_replica``)."""
 
     def __init__(self, root: weakref.ref[nn.Module], layer: nn.Module, name: str,
                  strategy: str, world_size: int) -> None:
@@ -100,8 +101,8 @@ class _Check:
         self.name, self.strategy, self.world_size = name, strategy, world_size
 
     def __call__(self, layer: _BatchNorm, args: Any) -> None:
-        if layer is not self.layer() or not uses_batch_statistics(layer) \
-                or cooperating_group() is not None:
+        installed = layer is self.layer() or getattr(layer, "_is_replica", False)
+        if not installed or not uses_batch_statistics(layer) or cooperating_group() is not None:
             return
         root = self.root()
         if root is not None and explicit_parameters_active(root):

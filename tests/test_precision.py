@@ -13,6 +13,7 @@ import torch
 import metadist
 from metadist.comm import stats
 from metadist.precision import LossScaler, Precision
+from metadist.strategies.shard_piece import shard_internals
 from metadist.testing import assert_same_on_all_ranks, run_on_ranks
 from parity import batches, loss_fn, make_net, make_optimizer, reference, shard, train_on_rank
 
@@ -164,7 +165,8 @@ def _overflow_run(strategy: str, where: str) -> dict[str, Any]:
         if where == "after_reduction" and step == 3 and w.rank == 1:
             local = next(p for g in opt.param_groups for p in g["params"] if p.grad is not None)
             assert local.grad is not None
-            local.grad.view(-1)[0] = float("inf")
+            with shard_internals():  # zero3: the first element of this rank's shard
+                local.grad.view(-1)[0] = float("inf")
         opt.step()
         assert s.scaler is not None
         skipped.append(s.scaler.last_step_skipped)

@@ -49,6 +49,7 @@ from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.bind import place_of
 from metadist.strategies.buckets import will_accumulate
 from metadist.strategies.placement import flat_part, paste
+from metadist.strategies.shard_value import ShardParameter
 
 # A process-wide count, not a context variable: autograd may run a backward on a device thread.
 _reduced_shard_grads = 0
@@ -127,7 +128,8 @@ class FlatParam:
                     paste(part, p.detach().reshape(-1)[part.start:part.stop])
             if offload:
                 shard = shard.cpu().pin_memory() if device.type == "cuda" else shard.cpu()
-        self.shard = nn.Parameter(shard, requires_grad=originals[0].requires_grad)
+        # what model.parameters() yields: element-wise arithmetic only (shard_value.py)
+        self.shard = ShardParameter(shard, requires_grad=originals[0].requires_grad)
         self.full = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
         #: per slot, what its module attributes hold while the buffer is freed (the
         #: strategy's placeholders, strategies/foreign_runs.py)

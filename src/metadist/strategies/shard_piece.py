@@ -13,18 +13,19 @@ pieces correctly (over every shard: ``fast.dot``, ``fast.norm``) runs inside
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _INTERNAL: ContextVar[bool] = ContextVar("metadist_shard_internals", default=False)
 
 # Operators that combine elements of a piece, or pieces, by name.
-_ACROSS = frozenset({
+ACROSS = frozenset({
     "sum", "nansum", "mean", "nanmean", "norm", "vector_norm", "matrix_norm", "dist", "max",
     "min", "amax", "amin", "aminmax", "argmax", "argmin", "prod", "std", "var", "std_mean",
     "var_mean", "median", "nanmedian", "mode", "logsumexp", "cumsum", "cumprod", "cummax",
@@ -43,6 +44,46 @@ _ACROSS = frozenset({
 _PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "backward"})
 
 
+def internal() -> bool:
+    """Whether metadist's own operations across pieces are running (:func:`shard_internals`)."""
+    return _INTERNAL.get()
+
+
+# Operators beyond those torch tags pointwise that keep each element where it is: copies,
+# fills, conversions, ``*_like`` buffers, and the optimizers' multi-tensor kernels.
+_IN_PLACE_OF_ELEMENTS = frozenset({
+    "zero_", "fill_", "masked_fill_", "masked_fill", "copy_", "detach", "alias", "_to_copy",
+    "lift_fresh", "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
+    "new_ones", "new_empty", "new_full", "empty_strided", "clone", "_amp_update_scale_"})
+_ACROSS_KERNELS = ("_foreach_norm", "_foreach_max")
+
+
+def _element_wise(op: torch._ops.OpOverload) -> bool:
+    if torch.Tag.pointwise in op.tags:
+        return True
+    name = op.overloadpacket.__name__
+    if name.startswith(("_foreach_", "_fused_")):
+        return not name.startswith(_ACROSS_KERNELS)
+    return name in _IN_PLACE_OF_ELEMENTS
+
+
+class ElementWise(TorchDispatchMode):
+    """While a program's call on a shard runs: every operator it reaches keeps elements
+    apart, or the call stops with ``refusal(operator)``. Deciding by the operators torch
+    runs, not by the function called, covers any composite (``F.normalize``,
+    ``torch.linalg.vector_norm``, a library's own helper) without naming it."""
+
+    def __init__(self, refusal: Callable[[str], str]) -> None:
+        super().__init__()
+        self.refusal = refusal
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if not _element_wise(func):
+            raise ValueError(self.refusal(str(func.overloadpacket.__name__)))
+        return func(*args, **(kwargs or {}))
+
+
 @contextmanager
 def shard_internals() -> Iterator[None]:
     """Inside: metadist's own operations across pieces (which it makes global)."""
@@ -51,6 +92,14 @@ def shard_internals() -> Iterator[None]:
         yield
     finally:
         _INTERNAL.reset(token)
+
+
+_FAST_ADVICE = (
+    "on a piece of fast weights that are shards: under zero3/hsdp a piece is this rank's "
+    "flat slice of several parameters (under ddp a whole parameter), so it would compute "
+    "something else than one process. Use fast.dot(other) or fast.norm() for a sum over "
+    "every parameter (one collective), fast.like({name: tensor}) for per-parameter values, "
+    "or model.functional_forward(fast, ...) for anything that needs whole parameters")
 
 
 class ShardPiece(Tensor):
@@ -66,17 +115,14 @@ class ShardPiece(Tensor):
         if name in _PLAIN:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        if name in _ACROSS and not _INTERNAL.get():
-            raise ValueError(
-                f"fast-weight arithmetic ran {name}, which is not element-wise, on a piece "
-                "of fast weights that are shards: under zero3/hsdp a piece is this rank's "
-                "flat slice of several parameters (under ddp a whole parameter), so it would "
-                "compute something else than one process. Use fast.dot(other) or "
-                "fast.norm() for a sum over every parameter (one collective), "
-                "fast.like({name: tensor}) for per-parameter values, or "
-                "model.functional_forward(fast, ...) for anything that needs whole "
-                "parameters")
-        return super().__torch_function__(func, types, args, kwargs)
+        if _INTERNAL.get():
+            return super().__torch_function__(func, types, args, kwargs)
+        if name in ACROSS:
+            raise ValueError(f"fast-weight arithmetic ran {name}, which is not element-wise, "
+                             + _FAST_ADVICE)
+        with ElementWise(lambda op: f"fast-weight arithmetic ran {name}, which runs {op}, "
+                         "not element-wise, " + _FAST_ADVICE):
+            return super().__torch_function__(func, types, args, kwargs)
 
 
 def as_piece(t: Tensor) -> Tensor:

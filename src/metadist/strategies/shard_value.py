@@ -1,0 +1,158 @@
+"""zero3/hsdp shards as the user sees them: element-wise arithmetic only.
+
+Under zero3/fsdp/hsdp ``model.parameters()`` yields this rank's flat shards of whole units
+(several parameters each, padded), and ``p.grad`` a shard of their gradient. Element-wise
+arithmetic on them (an optimizer's update, ``p.grad.mul_(c)``, ``p.data.clamp_(-c, c)``)
+is what one process computes on those elements. Anything that combines elements (a norm of
+the gradients written by hand, a max, a reshape, indexing, concatenation) computes this
+rank's part instead, and nothing would show it. Guarding the entry points we thought of
+(``clip_grad_norm_``, ``get_total_norm``: strategies/grad_norm.py) left every other path
+open, so the shard's type carries the rule instead:
+
+* the shard is a :class:`ShardParameter`, its gradient and every tensor a program computes
+  from either (optimizer state included) a :class:`ShardValue`;
+* an operation across elements (``shard_piece.ACROSS``) that a program calls raises, naming
+  what to call instead; so does freezing a shard, which freezes a whole unit on one rank;
+* the packages that own shards (strategies, checkpoint, comm, runtime, meta, testing) work
+  on them as on plain tensors, and what they compute is plain: the call's first frame
+  outside torch decides (a torch function such as an optimizer's step is judged by the code
+  that called it).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from metadist.strategies.shard_piece import ACROSS, ElementWise, internal
+
+#: packages whose own code combines shard elements correctly (over every shard)
+_OWNERS = ("metadist.strategies.", "metadist.checkpoint.", "metadist.comm.",
+           "metadist.runtime.", "metadist.meta.", "metadist.testing", "metadist.precision",
+           "metadist.scaler")
+# Run as on plain tensors: printing, autograd's entry points, pickling, and an explicit
+# ``p.as_subclass(torch.Tensor)`` (this rank's slice, asked for by name).
+_PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "_grad", "backward",
+                    "__reduce_ex__", "as_subclass"})
+_ADVICE = (
+    "under zero3/fsdp/hsdp model.parameters() yields this rank's flat shards of whole units "
+    "(several parameters each, padded), not your parameters, and p.grad a shard of their "
+    "gradient, so it would compute this rank's part, not what one process computes. Use "
+    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
+    "strategy.clip_grad_norm_(model, max_norm) for the gradient norm (a collective), "
+    "model.full_parameters() for whole parameters by name (a collective), "
+    "model.state_dict() for values and the optimizer's weight_decay for an L2 penalty; "
+    "element-wise arithmetic on shards (p.grad.mul_(c), "
+    "p.data.clamp_(-c, c)) is exact as it is")
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property: by its own name, and whether it is set
+        prop = getattr(getattr(func, "__self__", None), "__name__", name)
+        return f"{prop}=" if name == "__set__" else prop
+    return name
+
+
+def _called_by_owner() -> bool:
+    """Whether the first frame outside torch that led here belongs to a package that owns
+    shards (this function's and ``__torch_function__``'s frames skipped)."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if not (module == "torch" or module.startswith("torch.")):
+            return module.startswith(_OWNERS)
+        frame = frame.f_back
+    return False
+
+
+def _as_value(t: Any) -> Any:
+    if isinstance(t, Tensor) and not isinstance(t, ShardValue):
+        return t.as_subclass(ShardValue)
+    return t
+
+
+def _has_plain_tensor(args: Any, kwargs: Any) -> bool:
+    found = False
+
+    def look(t: Any) -> Any:
+        nonlocal found
+        if isinstance(t, Tensor) and not isinstance(t, ShardValue) and t.numel() > 1:
+            found = True
+        return t
+
+    tree_map(look, (args, kwargs))
+    return found
+
+
+_GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the descriptor autograd's gradient is behind
+
+
+class ShardValue(Tensor):
+    """A shard's gradient, or a tensor a program computed from a shard (module notes)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name in _PLAIN or internal() or _called_by_owner():
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if name in ACROSS:
+            raise ValueError(f"{name} across the elements of a zero3/hsdp shard: {_ADVICE}")
+        if name in ("requires_grad_", "requires_grad=") and isinstance(args[0], ShardParameter):
+            wanted = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+            if bool(wanted) != args[0].requires_grad:
+                raise ValueError(
+                    "requires_grad on a zero3/hsdp shard of model.parameters(): a shard holds "
+                    "slices of every parameter of its unit, so this would freeze or unfreeze "
+                    "all of them, on this rank only. Freeze parameters on your module before "
+                    "setup (net.layer.requires_grad_(False)); zero3 keeps frozen parameters "
+                    "in units of their own")
+        try:
+            with torch._C.DisableTorchFunctionSubclass(), ElementWise(
+                    lambda op: f"{name} (which runs {op}) across the elements of a "
+                    f"zero3/hsdp shard: {_ADVICE}"):
+                out = func(*args, **kwargs)
+        except RuntimeError as e:
+            if _has_plain_tensor(args, kwargs):  # e.g. an EMA copy's parameter and a shard
+                raise RuntimeError(f"{e}\nOne of these tensors is a zero3/hsdp shard: "
+                                   f"{_ADVICE}") from e
+            raise
+        return tree_map(_as_value, out)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved as a plain tensor: a file loads without metadist (``weights_only`` too)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return Tensor.__reduce_ex__(self.as_subclass(Tensor), protocol)
+
+
+class ShardParameter(nn.Parameter, ShardValue):
+    """A zero3/hsdp flat shard, as ``model.parameters()`` yields it: its ``grad`` is a
+    :class:`ShardValue` however autograd stored it."""
+
+    __torch_function__ = ShardValue.__torch_function__
+
+    @property
+    def grad(self) -> Tensor | None:
+        value: Tensor | None = _GRAD.__get__(self)
+        if value is not None and not isinstance(value, ShardValue):
+            # autograd stores plain tensors: typed once, then the same object every read
+            value = value.as_subclass(ShardValue)
+            _GRAD.__set__(self, value)
+        return value
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        _GRAD.__set__(self, value)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return nn.Parameter.__reduce_ex__(
+                nn.Parameter(self.as_subclass(Tensor), self.requires_grad), protocol)

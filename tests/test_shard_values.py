@@ -1,0 +1,213 @@
+"""zero3/hsdp shards in a program's hands: element-wise arithmetic is exact, the rest stops.
+
+Reproduction: under zero3 ``model.parameters()`` yields this rank's flat shards of whole
+units and ``p.grad`` a shard of their gradient. Programs nobody on the team wrote combine
+their elements: a gradient norm computed by hand and used to clip trained to other values
+than one process (1.3e-2 after 10 steps at zero3 3 ranks), a logged gradient norm or
+largest weight was this rank's part (0.30 and 1.0e-2 off), freezing ``model.parameters()``
+by position froze a whole unit (3.4e-2 off), with nothing to show it; an EMA copy zipped
+with them failed with a bare size mismatch. torch's clipping utilities were exact because
+they were guarded one by one. Now the shard's type carries the rule
+(strategies/shard_value.py): every such operation a program calls stops with an error that
+says what to call, whatever path reaches it, and element-wise arithmetic (an optimizer's,
+``p.grad.mul_``, ``p.data.clamp_``) still equals one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import metadist
+from metadist.strategies.shard_value import ShardValue
+from metadist.testing import run_on_ranks
+from parity import assert_tensors_close
+
+D, STEPS, GLOBAL_BATCH = 8, 10, 24
+OPTIONS: dict[str, dict[str, Any]] = {"ddp": {}, "zero3": {"min_unit_params": 10},
+                                      "hsdp": {"min_unit_params": 10}}
+SHARDED = [("zero3", 3, 1), ("hsdp", 4, 2)]
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, D)
+        self.hidden = nn.Linear(D, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(torch.tanh(self.embed(x)))))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
+def _norm_by_hand(params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params
+                          if p.grad is not None))
+
+
+def _step(how: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+          y: torch.Tensor) -> None:
+    """One step of a program as written for one process."""
+    params = list(model.parameters())
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    if how == "clip by hand":
+        scale = min(1.0, 0.05 / float(_norm_by_hand(params)))
+        for p in params:
+            p.grad.mul_(scale)
+    elif how == "decay by hand":
+        for p in params:
+            p.grad.add_(p.detach(), alpha=0.1)
+    elif how == "clip values by hand":
+        for p in params:
+            p.grad.clamp_(-0.01, 0.01)
+    opt.step()
+    if how == "clamp weights":
+        for p in params:
+            p.data.clamp_(-0.3, 0.3)
+
+
+def _train(strategy: str, how: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Mlp()
+    plain = copy.deepcopy(net)
+    model, opt = metadist.strategy(strategy, **OPTIONS[strategy]).setup(
+        net, torch.optim.Adam(net.parameters(), lr=0.05))
+    popt = torch.optim.Adam(plain.parameters(), lr=0.05)
+    w = metadist.world()
+    per = GLOBAL_BATCH // w.world_size
+    out: dict[str, Any] = {}
+    try:
+        for step in range(STEPS):
+            x, y = _batch(step)
+            _step(how, model, opt, x[w.rank * per:(w.rank + 1) * per],
+                  y[w.rank * per:(w.rank + 1) * per])
+            _step(how, plain, popt, x, y)
+    except (RuntimeError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    out["got"], out["want"] = model.state_dict(), plain.state_dict()
+    out["typed"] = all(isinstance(p.grad, ShardValue) for p in model.parameters()
+                       ) if strategy != "ddp" else None
+    return out
+
+
+@pytest.mark.parametrize("how", ["decay by hand", "clip values by hand", "clamp weights"])
+@pytest.mark.parametrize(("strategy", "n", "nodes"), [("ddp", 2, 1), *SHARDED])
+def test_element_wise_arithmetic_on_shards_equals_one_process(strategy: str, n: int,
+                                                              nodes: int, how: str) -> None:
+    for rank, out in enumerate(run_on_ranks(_train, n, args=(strategy, how), nnodes=nodes)):
+        assert "error" not in out, out.get("error")
+        assert_tensors_close(out["got"], out["want"], where=f"{strategy} rank {rank} {how}")
+        assert out["typed"] in (None, True), "a shard's gradient lost its type"
+
+
+@pytest.mark.parametrize(("strategy", "n", "nodes"), [("ddp", 2, 1), *SHARDED])
+def test_a_norm_by_hand_stops_where_it_trained_to_other_values(strategy: str, n: int,
+                                                               nodes: int) -> None:
+    """Clipping with a hand-written norm: under ddp one process's result, under zero3 and
+    hsdp an error naming torch's clip_grad_norm_ (it trained 1.3e-2 away from one process
+    before)."""
+    for rank, out in enumerate(run_on_ranks(_train, n, args=(strategy, "clip by hand"),
+                                            nnodes=nodes)):
+        if strategy == "ddp":
+            assert_tensors_close(out["got"], out["want"], where=f"ddp rank {rank}")
+            continue
+        assert out.get("error", "").startswith("ValueError: sum across the elements of a "
+                                               "zero3/hsdp shard"), out
+        assert "clip_grad_norm_(model.parameters(), max_norm)" in out["error"]
+
+
+def _attempt(call: Any) -> str:
+    try:
+        call()
+    except (RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _habits(strategy: str) -> dict[str, str]:
+    """What programs do with model.parameters() beyond arithmetic, each on its own."""
+    torch.manual_seed(0)
+    net = Mlp()
+    ema = copy.deepcopy(net)
+    model, opt = metadist.strategy(strategy, **OPTIONS[strategy]).setup(
+        net, torch.optim.Adam(net.parameters(), lr=0.05))
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    params = list(model.parameters())
+
+    def ema_update() -> None:
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), params, strict=False):
+                e.lerp_(p, 0.5)
+
+    def save_and_load() -> None:
+        buffer = io.BytesIO()
+        torch.save({"param": params[0], "grad": params[0].grad,
+                    "state": opt.state[params[0]]}, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True)
+        assert type(loaded["param"]) is nn.Parameter and type(loaded["grad"]) is torch.Tensor
+        assert type(loaded["state"]["exp_avg"]) is torch.Tensor
+
+    return {
+        "logged gradient norm": _attempt(lambda: torch.stack(
+            [p.grad.norm() for p in params]).norm()),
+        "largest weight": _attempt(lambda: max(p.detach().abs().max() for p in params)),
+        "L2 penalty": _attempt(lambda: sum((p ** 2).sum() for p in params)),
+        "concatenated": _attempt(lambda: torch.cat([p.view(-1) for p in params])),
+        "optimizer state norm": _attempt(lambda: torch.linalg.vector_norm(
+            opt.state[params[0]]["exp_avg"])),
+        "normalized": _attempt(lambda: torch.nn.functional.normalize(params[0].grad, dim=0)),
+        "gradient noise": _attempt(lambda: params[0].grad.add_(
+            torch.randn_like(params[0].grad), alpha=0.0)),
+        "as numpy": _attempt(lambda: params[0].grad.numpy().sum()),
+        "freeze the first": _attempt(lambda: params[0].requires_grad_(False)),
+        "ema": _attempt(ema_update),
+        "save and load": _attempt(save_and_load),
+        "torch's clip_grad_norm_": _attempt(lambda: torch.nn.utils.clip_grad_norm_(params,
+                                                                                   1.0)),
+        "printed": _attempt(lambda: repr(params[0]) + str(params[0].grad)),
+        "state_dict": _attempt(model.state_dict),
+    }
+
+
+REFUSED = {"logged gradient norm": "ValueError: norm across",
+           "largest weight": "ValueError: max across",
+           "L2 penalty": "ValueError: sum across",
+           "concatenated": "ValueError: view across",
+           "optimizer state norm": r"ValueError: linalg_vector_norm \(which runs "
+                                   r"linalg_vector_norm\) across",
+           "normalized": r"ValueError: normalize \(which runs linalg_vector_norm\) across",
+           "gradient noise": r"ValueError: randn_like \(which runs randn_like\) across",
+           "as numpy": "ValueError: numpy across",
+           "freeze the first": "ValueError: requires_grad on a zero3/hsdp shard",
+           "ema": "RuntimeError: The size of tensor.*\nOne of these tensors is a zero3/hsdp shard"}
+
+
+@pytest.mark.parametrize(("strategy", "n", "nodes"), [("ddp", 2, 1), *SHARDED])
+def test_what_combines_a_shards_elements_stops_and_says_what_to_call(strategy: str, n: int,
+                                                                     nodes: int) -> None:
+    """Under ddp every habit runs as in one process; under zero3/hsdp those that would give
+    this rank's part raise (they ran before, with this rank's part), the rest run."""
+    for rank, out in enumerate(run_on_ranks(_habits, n, args=(strategy,), nnodes=nodes)):
+        for habit, message in out.items():
+            pattern = REFUSED.get(habit) if strategy != "ddp" else None
+            where = f"{strategy} rank {rank} {habit}"
+            if pattern is None:
+                assert message == "ok", f"{where}: {message}"
+            else:
+                assert re.match(pattern, message), f"{where}: {message}"
+                assert "zero3/hsdp" in message, f"{where}: {message}"

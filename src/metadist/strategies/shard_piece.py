@@ -13,6 +13,7 @@ pieces correctly (over every shard: ``fast.dot``, ``fast.norm``) runs inside
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -56,6 +57,12 @@ _IN_PLACE_OF_ELEMENTS = frozenset({
     "lift_fresh", "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
     "new_ones", "new_empty", "new_full", "empty_strided", "clone", "_amp_update_scale_"})
 _ACROSS_KERNELS = ("_foreach_norm", "_foreach_max")
+# What a tensor is, not what it holds (an optimizer reads these on every step).
+_METADATA = frozenset({
+    "is_complex", "is_sparse", "device", "is_leaf", "dtype", "shape", "size", "dim", "ndim",
+    "numel", "nelement", "requires_grad", "is_floating_point", "is_contiguous", "stride",
+    "storage_offset", "data_ptr", "untyped_storage", "layout", "is_cuda", "is_cpu",
+    "is_meta", "grad_fn", "_version", "element_size", "is_nested", "is_quantized"})
 
 
 def _element_wise(op: torch._ops.OpOverload) -> bool:
@@ -65,6 +72,31 @@ def _element_wise(op: torch._ops.OpOverload) -> bool:
     if name.startswith(("_foreach_", "_fused_")):
         return not name.startswith(_ACROSS_KERNELS)
     return name in _IN_PLACE_OF_ELEMENTS
+
+
+@functools.cache
+def known_element_wise(name: str) -> bool:
+    """Whether the torch function ``name`` is an operator element-wise in every overload
+    (``add_``, ``lerp_``, ``addcdiv_``): such calls need no :class:`ElementWise` watch,
+    which costs tens of microseconds a call (an optimizer's step makes many)."""
+    if name in _METADATA:
+        return True
+    if name.startswith("__") and name.endswith("__"):  # __mul__, __rmul__, __imul__ -> mul
+        bare = name[2:-2]
+        bare = bare[1:] + "_" if bare.startswith("i") and known_element_wise(bare[1:]) else (
+            bare[1:] if bare.startswith("r") and known_element_wise(bare[1:]) else bare)
+        name = {"truediv": "div", "truediv_": "div_", "and": "bitwise_and",
+                "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not"}.get(bare, bare)
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    overloads = [getattr(packet, o) for o in packet.overloads() if "out" not in o]
+    on_tensors = [op for op in overloads  # not the overloads of Python numbers or lists
+                  if op._schema.arguments and str(op._schema.arguments[0].type) == "Tensor"]
+    return bool(on_tensors) and all(_element_wise(op) for op in on_tensors)
 
 
 class ElementWise(TorchDispatchMode):
@@ -120,6 +152,8 @@ class ShardPiece(Tensor):
         if name in ACROSS:
             raise ValueError(f"fast-weight arithmetic ran {name}, which is not element-wise, "
                              + _FAST_ADVICE)
+        if known_element_wise(name):
+            return super().__torch_function__(func, types, args, kwargs)
         with ElementWise(lambda op: f"fast-weight arithmetic ran {name}, which runs {op}, "
                          "not element-wise, " + _FAST_ADVICE):
             return super().__torch_function__(func, types, args, kwargs)

@@ -21,6 +21,7 @@ open, so the shard's type carries the rule instead:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from types import FrameType
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from metadist.strategies.shard_piece import ACROSS, ElementWise, internal
+from metadist.strategies.shard_piece import ACROSS, ElementWise, internal, known_element_wise
 
 #: packages whose own code combines shard elements correctly (over every shard)
 _OWNERS = ("metadist.strategies.", "metadist.checkpoint.", "metadist.comm.",
@@ -115,10 +116,11 @@ class ShardValue(Tensor):
                     "all of them, on this rank only. Freeze parameters on your module before "
                     "setup (net.layer.requires_grad_(False)); zero3 keeps frozen parameters "
                     "in units of their own")
+        watch = contextlib.nullcontext() if known_element_wise(name) else ElementWise(
+            lambda op: f"{name} (which runs {op}) across the elements of a zero3/hsdp "
+            f"shard: {_ADVICE}")
         try:
-            with torch._C.DisableTorchFunctionSubclass(), ElementWise(
-                    lambda op: f"{name} (which runs {op}) across the elements of a "
-                    f"zero3/hsdp shard: {_ADVICE}"):
+            with torch._C.DisableTorchFunctionSubclass(), watch:
                 out = func(*args, **kwargs)
         except RuntimeError as e:
             if _has_plain_tensor(args, kwargs):  # e.g. an EMA copy's parameter and a shard

@@ -28,6 +28,7 @@ import metadist
 from metadist.strategies.shard_value import ShardValue
 from metadist.testing import run_on_ranks
 from parity import assert_tensors_close
+from test_torch_habits_grads import _attempt
 
 D, STEPS, GLOBAL_BATCH = 8, 10, 24
 OPTIONS: dict[str, dict[str, Any]] = {"ddp": {}, "zero3": {"min_unit_params": 10},
@@ -126,14 +127,6 @@ def test_a_norm_by_hand_stops_where_it_trained_to_other_values(strategy: str, n:
         assert out.get("error", "").startswith("ValueError: sum across the elements of a "
                                                "zero3/hsdp shard"), out
         assert "clip_grad_norm_(model.parameters(), max_norm)" in out["error"]
-
-
-def _attempt(call: Any) -> str:
-    try:
-        call()
-    except (RuntimeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
 
 
 def _habits(strategy: str) -> dict[str, str]:

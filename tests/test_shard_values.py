@@ -146,6 +146,21 @@ def _habits(strategy: str) -> dict[str, str]:
             for e, p in zip(ema.parameters(), params, strict=False):
                 e.lerp_(p, 0.5)
 
+    def freeze_each_and_back() -> None:
+        for p in model.parameters():
+            p.requires_grad = False
+        model(x)  # a generator's step through the frozen discriminator
+        for p in model.parameters():
+            p.requires_grad = True
+        model(x)
+
+    def freeze_the_first() -> None:
+        params[0].requires_grad_(False)
+        try:
+            model(x)
+        finally:
+            params[0].requires_grad_(True)
+
     def save_and_load() -> None:
         buffer = io.BytesIO()
         torch.save({"param": params[0], "grad": params[0].grad,
@@ -167,7 +182,10 @@ def _habits(strategy: str) -> dict[str, str]:
         "gradient noise": _attempt(lambda: params[0].grad.add_(
             torch.randn_like(params[0].grad), alpha=0.0)),
         "as numpy": _attempt(lambda: params[0].grad.numpy().sum()),
-        "freeze the first": _attempt(lambda: params[0].requires_grad_(False)),
+        "freeze all and back": _attempt(lambda: (model.requires_grad_(False),
+                                                  model.requires_grad_(True), model(x))),
+        "freeze each and back, as a GAN does": _attempt(freeze_each_and_back),
+        "freeze the first": _attempt(freeze_the_first),
         "ema": _attempt(ema_update),
         "save and load": _attempt(save_and_load),
         "torch's clip_grad_norm_": _attempt(lambda: torch.nn.utils.clip_grad_norm_(params,
@@ -186,7 +204,8 @@ REFUSED = {"logged gradient norm": "ValueError: norm across",
            "normalized": r"ValueError: normalize \(which runs linalg_vector_norm\) across",
            "gradient noise": r"ValueError: randn_like \(which runs randn_like\) across",
            "as numpy": "ValueError: numpy across",
-           "freeze the first": "ValueError: requires_grad on a zero3/hsdp shard",
+           "freeze the first": r"ValueError: requires_grad was changed on some of the "
+                               r"zero3/hsdp shards of model.parameters\(\) \(positions \[0\]\)",
            "ema": "RuntimeError: The size of tensor.*\nOne of these tensors is a zero3/hsdp shard"}
 
 

@@ -67,6 +67,7 @@ from metadist.strategies.foreign_runs import (
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import ModulePlacement, flat_module
+from metadist.strategies.shard_value import check_toggles
 from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -117,6 +118,7 @@ class ShardedModule(DistributedModule):
         self._config = config
         self._handles: list[Any] = []
         self._origin = Origin(self)  # copies and patched classes carry it along
+        self._trainable_at_setup = [flat.shard.requires_grad for flat in self.flats]
         self._schedule = Schedule(units, reshard_after_forward=config.reshard_after_forward,
                                   prefetch=config.prefetch)
         for unit in units:
@@ -185,6 +187,7 @@ class ShardedModule(DistributedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_own_run()
+        check_toggles([flat.shard for flat in self.flats], self._trainable_at_setup)
         if sharded_fast.active_for(self.module) is not None:  # inside bound(fast weights)
             return self.run(self.module, args, kwargs)
         out = super().forward(*args, **kwargs)

@@ -11,8 +11,10 @@ open, so the shard's type carries the rule instead:
 
 * the shard is a :class:`ShardParameter`, its gradient and every tensor a program computes
   from either (optimizer state included) a :class:`ShardValue`;
-* an operation across elements (``shard_piece.ACROSS``) that a program calls raises, naming
-  what to call instead; so does freezing a shard, which freezes a whole unit on one rank;
+* a call a program makes whose operators combine elements raises, naming what to call
+  instead (``shard_piece.ElementWise`` watches the operators torch runs; ``ACROSS`` names
+  the calls that run none, such as ``numpy``); freezing some shards but not all stops at
+  the next forward (:func:`check_toggles`): a shard freezes its whole unit;
 * the packages that own shards (strategies, checkpoint, comm, runtime, meta, testing) work
   on them as on plain tensors, and what they compute is plain: the call's first frame
   outside torch decides (a torch function such as an optimizer's step is judged by the code
@@ -91,6 +93,27 @@ def _has_plain_tensor(args: Any, kwargs: Any) -> bool:
     return found
 
 
+def check_toggles(shards: list[ShardParameter], at_setup: list[bool]) -> None:
+    """Before a forward: the shards' ``requires_grad`` as at setup, or all alike.
+
+    Freezing a shard freezes every parameter of its unit. Freezing or unfreezing all of
+    them (``model.requires_grad_(False)``, a GAN's loop over the discriminator's
+    parameters) is one process's freeze; freezing some by position in
+    ``model.parameters()`` would freeze other parameters than one process does."""
+    flags = [s.requires_grad for s in shards]
+    if flags == at_setup or all(flags) or not any(flags):
+        return
+    changed = [i for i, (now, then) in enumerate(zip(flags, at_setup, strict=True))
+               if now != then]
+    raise ValueError(
+        f"requires_grad was changed on some of the zero3/hsdp shards of model.parameters() "
+        f"(positions {changed}): a shard holds slices of every parameter of its unit, so "
+        "this freezes other parameters than the same positions do in one process. Freeze "
+        "or unfreeze all of model.parameters() (model.requires_grad_(False)), or freeze the "
+        "parameters on your module before setup (net.layer.requires_grad_(False)): zero3 "
+        "keeps frozen parameters in units of their own")
+
+
 _GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the descriptor autograd's gradient is behind
 
 
@@ -107,15 +130,6 @@ class ShardValue(Tensor):
                 return func(*args, **kwargs)
         if name in ACROSS:
             raise ValueError(f"{name} across the elements of a zero3/hsdp shard: {_ADVICE}")
-        if name in ("requires_grad_", "requires_grad=") and isinstance(args[0], ShardParameter):
-            wanted = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-            if bool(wanted) != args[0].requires_grad:
-                raise ValueError(
-                    "requires_grad on a zero3/hsdp shard of model.parameters(): a shard holds "
-                    "slices of every parameter of its unit, so this would freeze or unfreeze "
-                    "all of them, on this rank only. Freeze parameters on your module before "
-                    "setup (net.layer.requires_grad_(False)); zero3 keeps frozen parameters "
-                    "in units of their own")
         watch = contextlib.nullcontext() if known_element_wise(name) else ElementWise(
             lambda op: f"{name} (which runs {op}) across the elements of a zero3/hsdp "
             f"shard: {_ADVICE}")

@@ -74,6 +74,17 @@ def _element_wise(op: torch._ops.OpOverload) -> bool:
     return name in _IN_PLACE_OF_ELEMENTS
 
 
+def masked_assignment(name: str, args: Any) -> bool:
+    """``t[mask] = value`` with a boolean mask of ``t``'s shape and one value (Rprop's
+    step-size update): element-wise, though ``__setitem__`` in general is not."""
+    if name != "__setitem__" or len(args) != 3:
+        return False
+    target, index, value = args
+    return (isinstance(index, Tensor) and index.dtype == torch.bool
+            and index.shape == target.shape
+            and (not isinstance(value, Tensor) or value.numel() == 1))
+
+
 @functools.cache
 def known_element_wise(name: str) -> bool:
     """Whether the torch function ``name`` is an operator element-wise in every overload
@@ -149,11 +160,11 @@ class ShardPiece(Tensor):
                 return func(*args, **(kwargs or {}))
         if _INTERNAL.get():
             return super().__torch_function__(func, types, args, kwargs)
+        if masked_assignment(name, args) or known_element_wise(name):
+            return super().__torch_function__(func, types, args, kwargs)
         if name in ACROSS:
             raise ValueError(f"fast-weight arithmetic ran {name}, which is not element-wise, "
                              + _FAST_ADVICE)
-        if known_element_wise(name):
-            return super().__torch_function__(func, types, args, kwargs)
         with ElementWise(lambda op: f"fast-weight arithmetic ran {name}, which runs {op}, "
                          "not element-wise, " + _FAST_ADVICE):
             return super().__torch_function__(func, types, args, kwargs)

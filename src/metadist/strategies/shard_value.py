@@ -32,7 +32,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from metadist.strategies.shard_piece import ACROSS, ElementWise, internal, known_element_wise
+from metadist.strategies.shard_piece import (
+    ACROSS,
+    ElementWise,
+    internal,
+    known_element_wise,
+    masked_assignment,
+)
 
 #: packages whose own code combines shard elements correctly (over every shard)
 _OWNERS = ("metadist.strategies.", "metadist.checkpoint.", "metadist.comm.",
@@ -52,6 +58,12 @@ _ADVICE = (
     "model.state_dict() for values and the optimizer's weight_decay for an L2 penalty; "
     "element-wise arithmetic on shards (p.grad.mul_(c), "
     "p.data.clamp_(-c, c)) is exact as it is")
+
+_AMP_ADVICE = (
+    "torch's GradScaler looks for inf/nan in this rank's shards alone, so ranks whose shards "
+    "differ would skip different steps and the model would leave one process's path; use "
+    "metadist.strategy(..., precision=\"16-mixed\"), whose loss scaler agrees across ranks "
+    "before any step")
 
 
 def _name(func: Any) -> str:
@@ -128,11 +140,12 @@ class ShardValue(Tensor):
         if name in _PLAIN or internal() or _called_by_owner():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if name in ACROSS:
+        plain_call = masked_assignment(name, args) or known_element_wise(name)
+        if name in ACROSS and not plain_call:
             raise ValueError(f"{name} across the elements of a zero3/hsdp shard: {_ADVICE}")
-        watch = contextlib.nullcontext() if known_element_wise(name) else ElementWise(
+        watch = contextlib.nullcontext() if plain_call else ElementWise(
             lambda op: f"{name} (which runs {op}) across the elements of a zero3/hsdp "
-            f"shard: {_ADVICE}")
+            f"shard: {_AMP_ADVICE if op.startswith('_amp_') else _ADVICE}")
         try:
             with torch._C.DisableTorchFunctionSubclass(), watch:
                 out = func(*args, **kwargs)

@@ -36,6 +36,7 @@ from torch.nn.utils import clip_grad, convert_parameters
 
 from metadist.comm import ops
 from metadist.runtime.world import Group
+from metadist.strategies.shard_value import ShardValue
 
 
 class Split(NamedTuple):
@@ -188,6 +189,12 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     listed = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     splits = _grad_splits() if _TRACKED and listed else {}
     parts = [(t, splits.get(id(t))) for t in listed]
+    if any(s is None and isinstance(t, ShardValue) for t, s in parts):
+        raise ValueError(
+            "a gradient norm over tensors computed from zero3/hsdp shards (not the shards' "
+            "gradients themselves): this rank holds a slice of each, and which ranks hold "
+            "the rest is known only for the gradients; take the norm of the gradients "
+            f"(p.grad for p in model.parameters()) first, or use {_CLIP}")
     found = [s for _, s in parts if s is not None]
     if not found:
         result: torch.Tensor = _ORIGINAL["total"](listed, norm_type, error_if_nonfinite, foreach)

@@ -10,6 +10,7 @@ from metadist.compat.torchopt import _tree
 from metadist.compat.torchopt.base import EmptyState, GradientTransformation
 from metadist.compat.torchopt.transform.utils import put
 from metadist.strategies.fast_weights import FastWeights
+from metadist.strategies.shard_value import ShardValue
 
 __all__ = ["clip_grad_norm"]
 
@@ -31,6 +32,8 @@ def clip_grad_norm(max_norm: float, norm_type: float = 2.0,
         with torch.no_grad():
             if isinstance(updates, FastWeights):  # shards under zero3/hsdp: every rank's
                 total = updates.norm(float(norm_type))
+            elif any(isinstance(g, ShardValue) for g in present):  # zero3/hsdp gradients
+                total = torch.nn.utils.get_total_norm(present, norm_type)  # across ranks
             elif norm_type == torch.inf:
                 norms = [g.abs().max().to(device) for g in present]
                 total = norms[0] if len(norms) == 1 else torch.max(torch.stack(norms))

@@ -27,6 +27,7 @@ model.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import statistics
@@ -184,7 +185,7 @@ def _times(args: argparse.Namespace, batch: int
            ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Each path's launch medians over ``--rounds`` launches, the paths' launches taking
     turns."""
-    samples: dict[str, list[float]] = {"sharded": [], "serial": [], "gathered": []}
+    samples: dict[str, list[float]] = {p: [] for p in args.paths.split(",")}
     ops: dict[str, dict[str, Any]] = {}
     for i in range(args.rounds):
         for path in rotation(list(samples), i):
@@ -292,6 +293,7 @@ def _time_tables(out: Results, args: argparse.Namespace) -> None:
     for batch in (int(b) for b in args.time_batches.split(",")):
         launches, ops = _times(args, batch)
         t = {path: statistics.median(ts) for path, ts in launches.items()}
+        t.setdefault("serial", math.nan)
         spread = "; ".join(f"{path} {min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f}"
                            for path, ts in launches.items())
         rows.append((batch, t["sharded"] * 1e3, t["serial"] * 1e3, t["gathered"] * 1e3,
@@ -344,6 +346,9 @@ def main() -> None:
                     help="per-rank memory for the largest-model table")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="launches per path for the times")
+    ap.add_argument("--paths", default="sharded,serial,gathered",
+                    help="the time comparison's paths: sharded and gathered, and serial "
+                         "(sharded with prefetch=False)")
     ap.add_argument("--parts", default="memory,time",
                     help="which tables: memory (and the largest model), time (and traffic)")
     output_args(ap)

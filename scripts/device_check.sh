@@ -6,7 +6,7 @@
 # Every step is bounded by `timeout` and the next one runs whatever it returned (a device
 # session is too short to rerun for one failure); each logs to $OUT/<step>.log, and
 # $OUT/summary.log gets one stamped line per step with its exit status (124: timed out).
-# All steps' limits add up to 915 s with their kill grace, more than one 600 s command:
+# All steps' limits add up to 785 s with their kill grace, more than one 600 s command:
 # ONLY="install torch test_gpu ..." runs the named steps alone, in this file's order.
 # Needs: torch with CUDA, pytest, pytest-xdist and pytest-timeout; no network (the peer
 # libraries of .peers/ are not needed: the CPU subset of step 6 runs none of their tests).
@@ -64,12 +64,12 @@ step gpu_step 185 python3 -m benchmarks.gpu_step --device cuda --case-timeout 60
 step bench 35 metadist bench --quick --device cuda --only maml_overhead,gpu_step \
     --timeout 25 --out "$OUT/bench"
 
-# 5. the sharded meta-step's time (with and without prefetch) against the gathered one at
-#    N = 2 on CPU ranks that each have a core of their own (on a 2-core machine gloo's
-#    threads compete with the ranks); one launch per path took 145 s on the H100 machine,
-#    two did not fit 330 s
-step sharded_time 330 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.sharded_meta --parts time \
-    --time-batches 32,256 --rounds 1 --steps 3 --warmup 1 --json "$OUT/sharded_time.json"
+# 5. the sharded meta-step's time against the gathered one at N = 2, batch 32, on CPU ranks
+#    that each have a core of their own (on a 2-core machine gloo's threads compete with the
+#    ranks): 3 launches per path, taking turns, took 150 s on the H200 machine's 16 cores
+step sharded_time 200 env CUDA_VISIBLE_DEVICES= python3 -m benchmarks.sharded_meta --parts time \
+    --paths sharded,gathered --time-batches 32 --rounds 3 --steps 5 --warmup 2 \
+    --json "$OUT/sharded_time.json"
 
 # 6. this torch build on the CPU: the fast-weight files, which need no peer library (54 tests
 #    took 89 s with 8 workers on 16 cores; nine files with 12 workers did not fit 100 s)

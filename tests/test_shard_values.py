@@ -193,6 +193,9 @@ def _habits(strategy: str) -> dict[str, str]:
         "torch's clip_grad_norm_": _attempt(lambda: torch.nn.utils.clip_grad_norm_(params,
                                                                                    1.0)),
         "printed": _attempt(lambda: repr(params[0]) + str(params[0].grad)),
+        "what a tensor is": _attempt(lambda: [(p.is_pinned(), p.is_shared(), p.get_device(),
+                                               p.nbytes, p.itemsize, p.is_inference())
+                                              for p in params]),
         "state_dict": _attempt(model.state_dict),
     }
 

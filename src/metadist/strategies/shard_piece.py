@@ -55,14 +55,16 @@ def internal() -> bool:
 _IN_PLACE_OF_ELEMENTS = frozenset({
     "zero_", "fill_", "masked_fill_", "masked_fill", "copy_", "detach", "alias", "_to_copy",
     "lift_fresh", "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros",
-    "new_ones", "new_empty", "new_full", "empty_strided", "clone", "_amp_update_scale_"})
+    "new_ones", "new_empty", "new_full", "empty_strided", "clone", "_pin_memory"})
 _ACROSS_KERNELS = ("_foreach_norm", "_foreach_max")
 # What a tensor is, not what it holds (an optimizer reads these on every step).
 _METADATA = frozenset({
     "is_complex", "is_sparse", "device", "is_leaf", "dtype", "shape", "size", "dim", "ndim",
     "numel", "nelement", "requires_grad", "is_floating_point", "is_contiguous", "stride",
     "storage_offset", "data_ptr", "untyped_storage", "layout", "is_cuda", "is_cpu",
-    "is_meta", "grad_fn", "_version", "element_size", "is_nested", "is_quantized"})
+    "is_meta", "grad_fn", "_version", "element_size", "is_nested", "is_quantized",
+    "is_pinned", "is_shared", "get_device", "is_inference", "is_signed", "itemsize", "nbytes",
+    "record_stream"})
 
 
 def _element_wise(op: torch._ops.OpOverload) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import io
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 import metadist
+from metadist.strategies.elsewhere import ElsewhereGrad
 from metadist.strategies.shard_value import ShardValue
 from metadist.testing import run_on_ranks
 from parity import assert_tensors_close
@@ -32,7 +34,8 @@ from test_torch_habits_grads import _attempt
 
 D, STEPS, GLOBAL_BATCH = 8, 10, 24
 OPTIONS: dict[str, dict[str, Any]] = {"ddp": {}, "zero3": {"min_unit_params": 10},
-                                      "hsdp": {"min_unit_params": 10}}
+                                      "hsdp": {"min_unit_params": 10},
+                                      "zero2": {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}}
 SHARDED = [("zero3", 3, 1), ("hsdp", 4, 2)]
 
 
@@ -79,7 +82,7 @@ def _step(how: str, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tenso
             p.data.clamp_(-0.3, 0.3)
 
 
-def _train(strategy: str, how: str) -> dict[str, Any]:
+def _train(strategy: str, how: str, program: Callable[..., None] = _step) -> dict[str, Any]:
     torch.manual_seed(0)
     net = Mlp()
     plain = copy.deepcopy(net)
@@ -92,14 +95,15 @@ def _train(strategy: str, how: str) -> dict[str, Any]:
     try:
         for step in range(STEPS):
             x, y = _batch(step)
-            _step(how, model, opt, x[w.rank * per:(w.rank + 1) * per],
-                  y[w.rank * per:(w.rank + 1) * per])
-            _step(how, plain, popt, x, y)
+            program(how, model, opt, x[w.rank * per:(w.rank + 1) * per],
+                    y[w.rank * per:(w.rank + 1) * per])
+            program(how, plain, popt, x, y)
     except (RuntimeError, ValueError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     out["got"], out["want"] = model.state_dict(), plain.state_dict()
     out["typed"] = all(isinstance(p.grad, ShardValue) for p in model.parameters()
-                       ) if strategy != "ddp" else None
+                       ) if strategy in ("zero3", "hsdp") else None
+    out["elsewhere"] = sum(isinstance(p.grad, ElsewhereGrad) for p in model.parameters())
     return out
 
 

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from metadist.comm import ops
 from metadist.runtime.spawn import RankPool
+from metadist.strategies.elsewhere import ElsewhereGrad
 
 _pools: dict[tuple[int, int, str | None, int], RankPool] = {}
 
@@ -63,7 +64,7 @@ def unique_storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     seen: set[int] = set()
     total = 0
     for tensor in tensors:
-        if tensor is None:
+        if tensor is None or isinstance(tensor, ElsewhereGrad):  # zero2: no storage here
             continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         storage = local.untyped_storage()

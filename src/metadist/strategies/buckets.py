@@ -38,6 +38,7 @@ from torch import nn
 from metadist.comm import ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import Group
+from metadist.strategies.elsewhere import ElsewhereGrad, held_grad
 
 
 class _State(enum.Enum):
@@ -124,14 +125,27 @@ def will_accumulate(node: torch.autograd.graph.Node) -> bool:
         return False
 
 
+def _accumulate_node(p: nn.Parameter) -> torch.autograd.graph.Node:
+    """The parameter's AccumulateGrad node."""
+    grad_fn = p.view_as(p).grad_fn
+    assert grad_fn is not None
+    node = grad_fn.next_functions[0][0]
+    assert node is not None
+    return node
+
+
 class Reducer:
     """Averages (or reduces to owners) the gradients of ``params`` as backward produces them."""
 
     def __init__(self, params: Sequence[nn.Parameter], *, scale: Callable[[], float],
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  owners: Sequence[int] | None = None, group: Group = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None,
+                 names: Sequence[str] | None = None) -> None:
         self.params = list(params)
+        # zero2: other owners' gradients are placeholders that name their parameter
+        self._names = dict(zip(self.params, names or [f"parameter {i}" for i in
+                                                      range(len(self.params))], strict=True))
         self.scale = scale
         self._reduce_dtype = reduce_dtype
         self._group = group
@@ -167,6 +181,8 @@ class Reducer:
             p.register_post_accumulate_grad_hook(self._on_grad)
             if self._bucket_of[p].owner == self._rank:
                 p.register_hook(self._owner_pre_hook(p))
+            elif self._bucket_of[p].owner is not None:
+                p.register_hook(self._other_pre_hook(p))
 
     # ----- hooks -------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -185,10 +201,7 @@ class Reducer:
             self._launch_in_order()
 
     def _owner_pre_hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
-        grad_fn = p.view_as(p).grad_fn
-        assert grad_fn is not None
-        node = grad_fn.next_functions[0][0]  # the parameter's AccumulateGrad node
-        assert node is not None
+        node = _accumulate_node(p)
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             # Only when autograd is about to accumulate into .grad (not autograd.grad): the
@@ -205,6 +218,18 @@ class Reducer:
             return
         self._launch_in_order(everything=True)
         self._finish()
+
+    @staticmethod
+    def _other_pre_hook(p: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        node = _accumulate_node(p)
+
+        def hook(grad: torch.Tensor) -> None:
+            # zero2, another rank's parameter: a backward accumulates afresh, never into the
+            # placeholder (an in-place change of one does nothing: strategies/elsewhere.py)
+            if isinstance(p.grad, ElsewhereGrad) and will_accumulate(node):
+                p.grad = None
+
+        return hook
 
     # ----- launching -----------------------------------------------------------------------
     def _launch_in_order(self, everything: bool = False) -> None:
@@ -234,7 +259,7 @@ class Reducer:
         buf = b.allocate(None if b.persistent else self._scratch(b))
         had_grad = []
         for p, view in zip(b.params, b.views, strict=True):
-            g = p.grad
+            g = held_grad(p)
             had_grad.append(g is not None)
             if g is None:
                 view.zero_()
@@ -243,8 +268,9 @@ class Reducer:
                     raise ValueError("sparse gradients are not supported by this strategy; use "
                                      "dense embeddings (sparse=False)")
                 view.copy_(g)
-            if not b.persistent:
-                p.grad = None  # zero2: another rank owns it; free it at once
+            if not b.persistent:  # zero2: another rank owns it; free it at once
+                assert b.owner is not None
+                p.grad = ElsewhereGrad.like(p, b.owner, self._names[p])
         buf[b.numel:].copy_(torch.tensor(had_grad, dtype=buf.dtype))
         if b.owner != self._rank:  # an owner's own gradients arrive pre-scaled
             scale = self.scale()

@@ -262,7 +262,8 @@ class _ZeroStrategy(DDPStrategy):
 
     def _setup_module(self, model: nn.Module) -> ZeroModule:
         model = prepare_replicated(model, self.device, self.config.sync_batchnorm)
-        trainable = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        trainable = [p for _, p in named]
         w = self.world
         if w.world_size == 1:
             return ZeroModule(model, None, None, False)
@@ -278,7 +279,8 @@ class _ZeroStrategy(DDPStrategy):
                           bucket_cap_mb=self.config.bucket_cap_mb,
                           first_bucket_mb=self.config.first_bucket_mb,
                               reduce_dtype=self.reduce_dtype,
-                          owners=owners if self.shard_gradients else None)
+                          owners=owners if self.shard_gradients else None,
+                          names=[n for n, _ in named])
         return ZeroModule(model, reducer, gather, self.config.broadcast_buffers,
                           dict(zip(trainable, owners, strict=True)),
                           overlap=self.config.overlap_param_gather)

@@ -23,6 +23,7 @@ from metadist.compat.betty.configs import Config
 from metadist.meta.config import ProblemConfig
 from metadist.meta.problem import Problem as NativeProblem
 from metadist.strategies.base import Strategy
+from metadist.strategies.elsewhere import held_grad
 
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine as NativeEngine
@@ -312,7 +313,8 @@ class Problem(NativeProblem):
         for p, g in zip(params, grads, strict=False):
             if g is not None:
                 self.gradient_arrives(p)
-                p.grad = g if p.grad is None else p.grad + g
+                mine = held_grad(p)  # zero2: not another owner's placeholder
+                p.grad = g if mine is None else mine + g
 
     def zero_grad(self) -> None:
         for p in self.trainable_parameters():

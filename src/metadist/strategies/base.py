@@ -27,7 +27,14 @@ from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
-from metadist.strategies import batch_statistics, deferred, grad_norm, ownership, step_chain
+from metadist.strategies import (
+    batch_norm_calls,
+    batch_statistics,
+    deferred,
+    grad_norm,
+    ownership,
+    step_chain,
+)
 from metadist.strategies.activation import CheckpointPolicy, apply_activation_checkpointing
 from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
@@ -284,6 +291,8 @@ class Strategy(ABC):
         batch_statistics.ask_for_the_choice(module.module, self.config.sync_batchnorm,
                                             self.name, self._batch_parts(module))
         batch_statistics.weigh_by(module.module, self.batch_share)
+        batch_norm_calls.watch(module.module, self.config.sync_batchnorm, self.name,
+                               self._batch_parts(module), self.batch_share)
         module.precision = precision
         if compiled is not None:
             compile_setup(module, compiled)

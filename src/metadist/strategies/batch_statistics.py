@@ -107,15 +107,20 @@ class _Check:
         root = self.root()
         if root is not None and explicit_parameters_active(root):
             return  # a per-rank-task computation: the batch is this rank's own task
-        # 'dp' splits the batch over replicas in one process, which cannot share statistics
-        part, synced = ("replica", "ddp") if self.strategy == "dp" else ("rank", self.strategy)
-        raise RuntimeError(
-            f"BatchNorm layer '{self.name}' ({type(layer).__name__}) would normalise this "
-            f"{part}'s slice of the batch by the slice's own statistics: on "
-            f"{self.world_size} {part}s under '{self.strategy}' its outputs, gradients and "
+        raise RuntimeError(ask(f"BatchNorm layer '{self.name}' ({type(layer).__name__})",
+                               self.strategy, self.world_size))
+
+
+def ask(subject: str, strategy: str, parts: int) -> str:
+    """What ``subject``, normalising by batch statistics under ``strategy`` (the batch in
+    ``parts``) with ``sync_batchnorm`` unsaid, would compute, and the two choices."""
+    # 'dp' splits the batch over replicas in one process, which cannot share statistics
+    part, synced = ("replica", "ddp") if strategy == "dp" else ("rank", strategy)
+    return (f"{subject} would normalise this {part}'s slice of the batch by the slice's own "
+            f"statistics: on {parts} {part}s under '{strategy}' its outputs, gradients and "
             "running statistics would differ from one process's on the global batch. Say "
-            f"which you mean: metadist.strategy('{synced}', sync_batchnorm=True) for "
-            "the global batch's statistics (one process's result), or sync_batchnorm=False "
-            "to normalise each rank's batch alone, as torch DDP does (one process's result "
-            "only where each rank's batch is meant to be normalised by itself, e.g. a task "
-            "of its own)")
+            f"which you mean: metadist.strategy('{synced}', sync_batchnorm=True) for the "
+            "global batch's statistics (one process's result), or sync_batchnorm=False to "
+            "normalise each rank's batch alone, as torch DDP does (one process's result only "
+            "where each rank's batch is meant to be normalised by itself, e.g. a task of its "
+            "own)")

@@ -39,6 +39,12 @@ _HOOK: list[RemovableHandle] = []  # the global pre-hook, while any computation 
 _OPEN = [0]
 
 
+def cooperation() -> tuple[Group, int, int] | None:
+    """(group, its size, groups working on other tasks at once) of the cooperative
+    computation running now; None outside one."""
+    return _GROUP.get()
+
+
 def cooperating_group() -> Group | None:
     """The group the computation running now shares one inner problem in (None: the
     default group, or no such computation runs)."""

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from metadist.strategies.shard_piece import _METADATA
+from metadist.strategies.shard_piece import _METADATA, function_name
 
 _READS = frozenset({"numpy", "tolist", "item", "__array__", "__bool__", "__float__",
                     "__int__", "__index__", "__complex__", "data_ptr", "untyped_storage",
@@ -72,9 +72,7 @@ class ElsewhereGrad(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__"):  # a property, by its own name
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        name = function_name(func)
         if name in _READS:
             raise ValueError(_message(_first(args, kwargs), f"{name.strip('_')}() reads"))
         with torch._C.DisableTorchFunctionSubclass():

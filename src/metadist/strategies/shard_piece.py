@@ -45,6 +45,14 @@ ACROSS = frozenset({
 _PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "backward"})
 
 
+def function_name(func: Any) -> str:
+    """The name of what ``__torch_function__`` was called for (a property by its own)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return str(name)
+
+
 def internal() -> bool:
     """Whether metadist's own operations across pieces are running (:func:`shard_internals`)."""
     return _INTERNAL.get()
@@ -154,9 +162,7 @@ class ShardPiece(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in ("__get__", "__set__"):  # a property, by its own name
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        name = function_name(func)
         if name in _PLAIN:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))

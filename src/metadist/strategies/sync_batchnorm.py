@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from metadist.comm import functional, ops
 from metadist.runtime.world import Group
+from metadist.strategies.batch_norm_calls import own_call
 from metadist.strategies.batch_statistics import share_of
 from metadist.strategies.cooperative import cooperating_group, uses_batch_statistics
 
@@ -73,31 +74,15 @@ class SyncBatchNorm(_BatchNorm):
         group = self.group if active is None else active
         if not uses_batch_statistics(self) or ops.group_info(group)[1] == 1:
             return self._local(x)
-        channels = x.shape[1]
-        dims = [0, *range(2, x.dim())]
-        local = torch.cat([
-            x.sum(dims, dtype=torch.float64),
-            x.square().sum(dims, dtype=torch.float64),
-            x.new_full((1,), x.numel() // channels, dtype=torch.float64),
-        ])
-        share = share_of(self) if active is None and self.group is None else 1.0
-        if share != 1.0:  # an uneven split of the global batch (see the class notes)
-            local = local * 0.0 if share == 0.0 else _ScaleGrad.apply(local, 1.0 / share)
-        total = functional.all_reduce(local, "sum", group=group)
-        if share != 1.0:
-            total = _ScaleGrad.apply(total, share)
-        count = total[-1]
-        mean64 = total[:channels] / count
-        var64 = total[channels:2 * channels] / count - mean64.square()
+        factor = None
         if self.training and self.track_running_stats:
-            self._update_running_stats(mean64.detach(), var64.detach(), count.detach())
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        mean = mean64.to(x.dtype).view(shape)
-        inv_std = torch.rsqrt(var64 + self.eps).to(x.dtype).view(shape)
-        y = (x - mean) * inv_std
-        if self.affine:
-            y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y
+            assert self.num_batches_tracked is not None
+            self.num_batches_tracked.add_(1)
+            factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                      else self.momentum)
+        share = share_of(self) if active is None and self.group is None else 1.0
+        return global_batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                 self.bias, factor, self.eps, group, share)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Plain BatchNorm (one rank, or evaluation with running statistics)."""
@@ -107,23 +92,59 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        return F.batch_norm(
-            x,
-            self.running_mean if not self.training or self.track_running_stats else None,
-            self.running_var if not self.training or self.track_running_stats else None,
-            self.weight, self.bias, use_batch_stats, factor, self.eps)
+        with own_call():
+            return F.batch_norm(
+                x,
+                self.running_mean if not self.training or self.track_running_stats else None,
+                self.running_var if not self.training or self.track_running_stats else None,
+                self.weight, self.bias, use_batch_stats, factor, self.eps)
 
-    @torch.no_grad()
-    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor,
-                              count: torch.Tensor) -> None:
-        assert self.running_mean is not None and self.running_var is not None
-        assert self.num_batches_tracked is not None
-        self.num_batches_tracked.add_(1)
-        factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                  else self.momentum)
-        unbiased = var * (count / (count - 1.0).clamp(min=1.0))
-        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+
+def global_batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
+                      running_var: torch.Tensor | None, weight: torch.Tensor | None,
+                      bias: torch.Tensor | None, factor: float | None, eps: float,
+                      group: Group, share: float) -> torch.Tensor:
+    """``x`` (channels in dim 1) normalised by the statistics of every rank's batch in
+    ``group``: per-channel sums, sums of squares and counts in float64, one differentiable
+    all-reduce. ``factor``: the running statistics' update weight (None: not updated);
+    ``share``: this rank's share of the global batch relative to an even split (see
+    :class:`SyncBatchNorm`)."""
+    channels = x.shape[1]
+    dims = [0, *range(2, x.dim())]
+    local = torch.cat([
+        x.sum(dims, dtype=torch.float64),
+        x.square().sum(dims, dtype=torch.float64),
+        x.new_full((1,), x.numel() // channels, dtype=torch.float64),
+    ])
+    if share != 1.0:  # an uneven split of the global batch (see the class notes)
+        local = local * 0.0 if share == 0.0 else _ScaleGrad.apply(local, 1.0 / share)
+    total = functional.all_reduce(local, "sum", group=group)
+    if share != 1.0:
+        total = _ScaleGrad.apply(total, share)
+    count = total[-1]
+    mean64 = total[:channels] / count
+    var64 = total[channels:2 * channels] / count - mean64.square()
+    if factor is not None and running_mean is not None and running_var is not None:
+        _update_running_stats(running_mean, running_var, mean64.detach(), var64.detach(),
+                              count.detach(), factor)
+    shape = [1, channels] + [1] * (x.dim() - 2)
+    mean = mean64.to(x.dtype).view(shape)
+    inv_std = torch.rsqrt(var64 + eps).to(x.dtype).view(shape)
+    y = (x - mean) * inv_std
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y
+
+
+@torch.no_grad()
+def _update_running_stats(running_mean: torch.Tensor, running_var: torch.Tensor,
+                          mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor,
+                          factor: float) -> None:
+    unbiased = var * (count / (count - 1.0).clamp(min=1.0))
+    running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+    running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
 
 def convert_sync_batchnorm(module: nn.Module, group: Group = None) -> nn.Module:

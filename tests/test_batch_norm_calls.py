@@ -217,3 +217,49 @@ def test_the_programs_own_normalisation_is_exact_on_a_ragged_last_batch() -> Non
             opt.step()
     for rank, got in enumerate(run_on_ranks(_train_ragged, 4, args=(10,))):
         assert_tensors_close(got, _values(net.state_dict()), where=f"ragged rank {rank}")
+
+
+class WithMethod(nn.Module):
+    """A model whose program computes through a method, not its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _net("own")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # never called here
+        raise AssertionError("the program computes through score()")
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _through_a_method(said: bool | None) -> dict[str, Any]:
+    net = WithMethod()
+    plain = copy.deepcopy(net)
+    model, opt = metadist.strategy("ddp", sync_batchnorm=said).setup(
+        net, torch.optim.SGD(net.parameters(), lr=0.1))
+    popt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    w = metadist.world()
+    mine = slice(w.rank * GLOBAL_BATCH // w.world_size,
+                 (w.rank + 1) * GLOBAL_BATCH // w.world_size)
+    try:
+        for step in range(STEPS):
+            x, y = _batch(step)
+            opt.zero_grad()
+            F.mse_loss(model.score(x[mine]), y[mine]).backward()
+            opt.step()
+            popt.zero_grad()
+            F.mse_loss(plain.score(x), y).backward()
+            popt.step()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"got": _values(model.module.state_dict()), "want": _values(plain.state_dict())}
+
+
+def test_a_computation_through_a_models_method_is_decided_too() -> None:
+    """Outside the model's forward, the call is known by the model's tensors it is given."""
+    for out in run_on_ranks(_through_a_method, 2, args=(None,)):
+        assert out.get("error", "").startswith("F.batch_norm"), out
+    for rank, out in enumerate(run_on_ranks(_through_a_method, 2, args=(True,))):
+        assert "error" not in out, out.get("error")
+        assert_tensors_close(out["got"], out["want"], where=f"method rank {rank}")

@@ -7,8 +7,9 @@ normalisation through ``torch.nn.functional.batch_norm`` (functional MAML learne
 BatchNorm weights in a list and call it themselves). Each normalised this rank's slice by the
 slice's statistics, silently, whatever ``sync_batchnorm`` said. Every one of those paths, and
 torch's BatchNorm layers too, ends in ``F.batch_norm``, so that is where the decision is made:
-while a set-up model's forward runs on several ranks, a call that would normalise by batch
-statistics
+a call that computes for a model set up on several ranks (its forward is running, or the
+call is given one of its parameters or buffers, as from one of its methods or submodules
+called by the program) and would normalise by batch statistics
 
 * with ``sync_batchnorm=True``, normalises by the global batch's
   (:func:`~metadist.strategies.sync_batchnorm.global_batch_norm`, weighted by this rank's
@@ -65,6 +66,9 @@ class _Forward:
 
 _RUNNING: ContextVar[_Forward | None] = ContextVar("metadist_data_parallel_forward",
                                                    default=None)
+#: the watched models' parameters and buffers, by id: a call given one of them is the
+#: model's, also outside its forward (a module method, a submodule called by the program)
+_TENSORS: dict[int, tuple[weakref.ref[Tensor], _Forward]] = {}
 #: each watched root's hooks, removed by a later setup of the same module
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, tuple[RemovableHandle, RemovableHandle]] = \
     weakref.WeakKeyDictionary()
@@ -91,6 +95,10 @@ def watch(root: nn.Module, said: bool | None, strategy: str, parts: int,
     if parts < 2:
         return
     forward = _Forward(weakref.ref(root), said, strategy, parts, weakref.WeakMethod(share))
+    for key in [k for k, (ref, _) in _TENSORS.items() if ref() is None]:
+        del _TENSORS[key]  # freed since an earlier setup
+    for t in [*root.parameters(), *root.buffers()]:
+        _TENSORS[id(t)] = (weakref.ref(t), forward)
     local = threading.local()  # dp runs its replicas' forwards in threads of their own
 
     def ours(module: nn.Module) -> bool:
@@ -143,7 +151,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
                 "each group's copy would differ from one process's, which updates them task "
                 "after task. Pass running_mean=None, running_var=None (batch statistics "
                 "only), or run under zero3")
-        forward = _RUNNING.get()
+        forward = _model_of(running_mean, running_var, weight, bias)
         if size > 1 and (forward is None or forward.said is not True):
             raise RuntimeError(
                 f"F.batch_norm in a cooperative inner problem (model.fast_weights(), its "
@@ -155,10 +163,10 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
             return global_batch_norm(input, running_mean, running_var, weight, bias, factor,
                                      eps, group, 1.0)
         return original(*args)
-    forward = _RUNNING.get()
+    forward = _model_of(running_mean, running_var, weight, bias)
     root = None if forward is None else forward.root()
     if forward is None or root is None or explicit_parameters_active(root):
-        return original(*args)  # not a data-parallel forward, or a per-rank task's
+        return original(*args)  # not a set-up model's computation, or a per-rank task's
     if forward.said is False:
         return original(*args)
     if forward.said is True:
@@ -166,3 +174,16 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
                                  None, forward.share_now())
     raise RuntimeError(ask("F.batch_norm (a BatchNorm reached by a call of its forward, or a "
                            "normalisation of your own)", forward.strategy, forward.parts))
+
+
+def _model_of(*tensors: Tensor | None) -> _Forward | None:
+    """The set-up model this call computes for: the one whose forward runs, else the one
+    that holds one of ``tensors``."""
+    running = _RUNNING.get()
+    if running is not None:
+        return running
+    for t in tensors:
+        entry = None if t is None else _TENSORS.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+    return None

@@ -39,6 +39,18 @@ def test_setup_without_an_optimizer_or_with_something_else() -> None:
         s.setup(nn.Linear(3, 2), [1, 2])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("name", ["single", "ddp", "zero1", "zero2", "zero3", "hsdp"])
+def test_an_optimizer_of_another_kind_says_how_to_set_up(name: str) -> None:
+    """zero3 and hsdp read the optimizer's groups first, and failed with "tuple indices
+    must be integers or slices, not str" on the TorchOpt drop-in's Optimizer."""
+    from metadist.compat import torchopt
+
+    net = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match=r"takes a torch\.optim\.Optimizer, got Adam; .*"
+                                        r"strategy\.setup_module\(model\)"):
+        metadist.strategy(name).setup(net, torchopt.Adam(net.parameters()))
+
+
 def test_setup_twice_and_optimizer_before_module() -> None:
     s = metadist.strategy("single")
     net = nn.Linear(3, 2)

@@ -103,7 +103,9 @@ def _check_optimizer_matches(model: nn.Module, optimizer: Optimizer) -> None:
     tensors the strategy never synchronises."""
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"setup(model, optimizer) takes a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+                        f"{type(optimizer).__name__}; for another kind of optimizer (the "
+                        "TorchOpt drop-in's, a functional one) set the model up alone with "
+                        "strategy.setup_module(model) and build it on model.parameters()")
     mine = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
     if foreign:

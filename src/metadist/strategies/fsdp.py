@@ -404,7 +404,8 @@ class Zero3Strategy(Strategy):
 
     def setup(self, model: nn.Module, optimizer: Optimizer | None = None
               ) -> tuple[DistributedModule, Optimizer]:
-        if optimizer is not None:  # split units by optimizer group (hyperparameters differ)
+        if isinstance(optimizer, Optimizer):  # split units by optimizer group (their
+            # hyperparameters differ); anything else is refused by the base class
             self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups)
                               for p in g["params"]}
         return super().setup(model, optimizer)

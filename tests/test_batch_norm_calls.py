@@ -55,6 +55,8 @@ class DirectCall(nn.Module):
 
 
 def _net(kind: str) -> nn.Module:
+    if kind == "method":
+        return WithMethod()
     torch.manual_seed(0)
     norm = {"own": RawBatchNorm, "direct": DirectCall, "layer": lambda: nn.BatchNorm1d(C)}[kind]
     return nn.Sequential(nn.Linear(4, C), norm(), nn.Tanh(), nn.Linear(C, 2))
@@ -80,14 +82,15 @@ def _train(kind: str, strategy: str, said: bool | None) -> dict[str, Any]:
     w = metadist.world()
     mine = slice(w.rank * GLOBAL_BATCH // w.world_size,
                  (w.rank + 1) * GLOBAL_BATCH // w.world_size)
+    call = "score" if kind == "method" else "__call__"  # the program's way in
     try:
         for step in range(STEPS):
             x, y = _batch(step)
             opt.zero_grad()
-            F.mse_loss(model(x[mine]), y[mine]).backward()
+            F.mse_loss(getattr(model, call)(x[mine]), y[mine]).backward()
             opt.step()
             popt.zero_grad()
-            F.mse_loss(plain(x), y).backward()
+            F.mse_loss(getattr(plain, call)(x), y).backward()
             popt.step()
     except RuntimeError as exc:
         return {"error": str(exc)}
@@ -233,33 +236,10 @@ class WithMethod(nn.Module):
         return self.body(x)
 
 
-def _through_a_method(said: bool | None) -> dict[str, Any]:
-    net = WithMethod()
-    plain = copy.deepcopy(net)
-    model, opt = metadist.strategy("ddp", sync_batchnorm=said).setup(
-        net, torch.optim.SGD(net.parameters(), lr=0.1))
-    popt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    w = metadist.world()
-    mine = slice(w.rank * GLOBAL_BATCH // w.world_size,
-                 (w.rank + 1) * GLOBAL_BATCH // w.world_size)
-    try:
-        for step in range(STEPS):
-            x, y = _batch(step)
-            opt.zero_grad()
-            F.mse_loss(model.score(x[mine]), y[mine]).backward()
-            opt.step()
-            popt.zero_grad()
-            F.mse_loss(plain.score(x), y).backward()
-            popt.step()
-    except RuntimeError as exc:
-        return {"error": str(exc)}
-    return {"got": _values(model.module.state_dict()), "want": _values(plain.state_dict())}
-
-
 def test_a_computation_through_a_models_method_is_decided_too() -> None:
     """Outside the model's forward, the call is known by the model's tensors it is given."""
-    for out in run_on_ranks(_through_a_method, 2, args=(None,)):
+    for out in run_on_ranks(_train, 2, args=("method", "ddp", None)):
         assert out.get("error", "").startswith("F.batch_norm"), out
-    for rank, out in enumerate(run_on_ranks(_through_a_method, 2, args=(True,))):
+    for rank, out in enumerate(run_on_ranks(_train, 2, args=("method", "ddp", True))):
         assert "error" not in out, out.get("error")
         assert_tensors_close(out["got"], out["want"], where=f"method rank {rank}")

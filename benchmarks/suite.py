@@ -33,7 +33,7 @@ from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
-              "compiled", "sharded_meta", "maml_overhead", "gpu_step")
+              "compiled", "sharded_meta", "maml_overhead", "task_batchnorm", "gpu_step")
 
 
 class SuiteError(Exception):
@@ -81,6 +81,8 @@ def spec(name: str) -> Spec:
         case "sharded_meta":  # its own world sizes (1, 2 and 4, hsdp 2 x 2)
             return Spec(name, module, world=False)
         case "maml_overhead":  # world 1: what the strategies' code adds, no collective
+            return Spec(name, module, world=False)
+        case "task_batchnorm":  # 2 ranks: combining the running statistics at the step
             return Spec(name, module, world=False)
         case "gpu_step":  # world 1, a process per case; the issue's size on cuda, tiny on CPUs
             return Spec(name, module, world=False)

@@ -89,3 +89,21 @@ class Reopening:
         if self._stack is not None:
             self._stack.close()
         self._stack, self._run = None, None
+
+
+@contextmanager
+def layouts(timeout: float) -> Iterator[Callable[[int, int], Reopening]]:
+    """``get(world_size, nnodes)``: one :class:`Reopening` pool per layout, for a test
+    module's cells; all closed on exit."""
+    opened: dict[tuple[int, int], Reopening] = {}
+
+    def get(world_size: int, nnodes: int = 1) -> Reopening:
+        if (world_size, nnodes) not in opened:
+            opened[(world_size, nnodes)] = Reopening(world_size, timeout, nnodes=nnodes)
+        return opened[(world_size, nnodes)]
+
+    try:
+        yield get
+    finally:
+        for pool in opened.values():
+            pool.close()

@@ -104,7 +104,7 @@ def test_unsaid_stops_and_asks(kind: str, strategy: str, n: int, nodes: int) -> 
     for out in run_on_ranks(_train, n, args=(kind, strategy, None), nnodes=nodes):
         assert out.get("error", "").startswith("F.batch_norm (a BatchNorm reached by a call "
                                                "of its forward, or a normalisation of your "
-                                               "own) would normalise this rank's slice"), out
+                                               "own) would normalise by batch statistics"), out
         assert "sync_batchnorm=True" in out["error"]
 
 

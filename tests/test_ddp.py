@@ -210,6 +210,7 @@ def _buffers_broadcast(strategy: str, broadcast_buffers: bool) -> list[list[floa
     x = torch.full((4, 3), float(rank + 1))
     model(x)
     model(x)  # each rank updated its buffer locally after the first forward
+    # a per-rank task's forward: no collective (it may run on some ranks only)
     model.functional_forward(dict(net.named_parameters()), x)
     return net.seen
 
@@ -218,12 +219,14 @@ def _buffers_broadcast(strategy: str, broadcast_buffers: bool) -> list[list[floa
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
 def test_buffers_broadcast_from_rank_zero_each_forward(strategy: str,
                                                        broadcast_buffers: bool) -> None:
-    """What each forward reads is rank 0's buffer, whatever the other ranks did to theirs
-    since the last forward; with broadcast_buffers=False (the path disabled: the test of the
+    """What each forward of the model reads is rank 0's buffer, whatever the other ranks did
+    to theirs since the last forward, and a per-rank task's forward on given parameters
+    reads this rank's; with broadcast_buffers=False (the path disabled: the test of the
     test) each rank reads its own."""
     seen = run_on_ranks(_buffers_broadcast, 2, args=(strategy, broadcast_buffers))
     if broadcast_buffers:
-        assert seen[0] == seen[1] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+        assert seen[0] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+        assert seen[1] == [[0.0] * 3, [1.0] * 3, [3.0] * 3]
     else:
         assert seen[0] == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
         assert seen[1] == [[10.0] * 3, [12.0] * 3, [14.0] * 3]

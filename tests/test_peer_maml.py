@@ -183,19 +183,8 @@ def references() -> dict[str, Params]:
 
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[Callable[[str], peers.Reopening]]:
-    pools: dict[tuple[int, int], peers.Reopening] = {}
-
-    def get(strategy: str) -> peers.Reopening:
-        layout = LAYOUT[strategy]
-        if layout not in pools:
-            pools[layout] = peers.Reopening(layout[0], JOB_TIMEOUT, nnodes=layout[1])
-        return pools[layout]
-
-    try:
-        yield get
-    finally:
-        for pool in pools.values():
-            pool.close()
+    with peers.layouts(JOB_TIMEOUT) as get:
+        yield lambda strategy: get(*LAYOUT[strategy])
 
 
 @pytest.fixture(scope="module")

@@ -101,6 +101,8 @@ def _converter(by: str, detach_buffers: bool) -> Callable[[Tensor, bool], Tensor
         if by == "reference":
             return t
         if by == "copy":
+            if not is_param and not t.requires_grad:
+                return t  # shared: running statistics update the original's (learn2learn's)
             return t.clone()  # a non-leaf: gradients reach the original through the clone
         return nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad)
 
@@ -131,7 +133,10 @@ def module_clone(module: M, *, by: By = "reference", detach_buffers: bool = Fals
       the original's parameters (one clone per task in MAML);
     * ``"deepcopy"``: detached, independent ``nn.Parameter`` copies (buffers too).
 
-    Buffers follow ``by`` too, but are detached when ``detach_buffers=True``. Tied weights
+    Buffers follow ``by`` too, except that ``"copy"`` shares the buffers no gradient flows
+    through (as learn2learn's ``clone_module`` does): a clone's BatchNorm updates the
+    original's running statistics, as the original's own forward on the task would. They are
+    detached copies when ``detach_buffers=True`` (a clone whose buffers are its own). Tied weights
     stay tied. Hooks and other attributes are deep-copied as ``copy.deepcopy`` does. A
     strategy's wrapped model clones to a copy of the user's module (see the module notes).
     """

@@ -293,8 +293,9 @@ class Strategy(ABC):
         batch_statistics.ask_for_the_choice(module.module, self.config.sync_batchnorm,
                                             self.name, self._batch_parts(module))
         batch_statistics.weigh_by(module.module, self.batch_share)
-        batch_norm_calls.watch(module.module, self.config.sync_batchnorm, self.name,
-                               self._batch_parts(module), self.batch_share)
+        parts = self._batch_parts(module)
+        batch_norm_calls.watch(module.module, self.config.sync_batchnorm, self.name, parts,
+                               self.batch_share, combine=parts == self.world.world_size)
         module.precision = precision
         if compiled is not None:
             compile_setup(module, compiled)
@@ -326,10 +327,12 @@ class Strategy(ABC):
         self.init()
         try:
             optimizer = self._setup_optimizer(module, optimizer)  # fills the strategy's phases
+            chain = step_chain.building(optimizer)
             if self.scaler is not None:
-                chain = step_chain.building(optimizer)
                 chain.add("unscale", functools.partial(self.scaler.before_step, optimizer))
                 chain.add("update_scale", self.scaler.after_step)
+            if module.running_stats():  # the ranks' own batches' updates, combined
+                chain.add("running_stats", module.sync_running_stats)
         except BaseException:
             step_chain.discard(optimizer)
             raise

@@ -1,25 +1,25 @@
 """A BatchNorm on several ranks: whose statistics it normalises by is said, never assumed.
 
-Under a data-parallel strategy a rank's forward sees its slice of the global batch. A plain
-BatchNorm normalises that slice by the slice's own mean and variance, so the outputs, the
-gradients and the running statistics are not one process's on the global batch (torch DDP's
-convention), and nothing shows it. Which statistics are meant is the strategy's
-``sync_batchnorm``:
+Under a data-parallel strategy a rank's forward sees its own batch: a slice of one global
+batch, or a batch of its own (a task, in meta-learning). Only the program knows which, and
+one process normalises the two differently. Which statistics the model's own forward uses
+is the strategy's ``sync_batchnorm``:
 
 * ``True``: BatchNorm layers become :class:`~metadist.strategies.sync_batchnorm.SyncBatchNorm`,
-  statistics over the global batch: one process's result;
-* ``False``: each rank's slice by itself, as torch DDP does. One process's result where a
-  rank's batch is meant to be normalised alone (a task of its own);
+  statistics over every rank's batch together: one process's result where the ranks'
+  batches are slices of one global batch;
+* ``False``: each rank's batch by itself, and the running statistics as one process running
+  the ranks' batches one after another (strategies/running_stats.py): one process's result
+  where each rank's batch is a batch of its own (a task, or a micro-batch);
 * unsaid (``None``, the default): the first forward on more than one rank that would
   normalise by batch statistics stops, says what differs and asks for one of the two.
 
-Left alone: a forward on explicit whole parameters (``functional_forward``, ``bound``) or on
-a copy of the model (``module_clone``) is a per-rank-task computation
-(docs/meta-learning.md), whose batch is the rank's own task, so per-rank statistics are one
-process's there; and a cooperative inner problem
-(``fast_weights()``), which strategies/cooperative.py checks by its own rule. The check is
-a forward pre-hook on the plain BatchNorm layers of a model set up on several ranks with
-the choice unsaid; nothing else pays for it.
+Not asked, because the answer changes nothing: a per-rank task (a copy of the model,
+explicit parameters, adapted weights: strategies/batch_norm_calls.py), which normalises by
+its own task's batch whatever is said, and a cooperative inner problem (``fast_weights()``),
+which strategies/cooperative.py checks by its own rule. The check is a forward pre-hook on
+the plain BatchNorm layers of a model set up on several ranks with the choice unsaid (the
+same question is asked at ``F.batch_norm`` for every other path); nothing else pays for it.
 
 A ragged global batch is split unevenly (metadist/data.py): each rank's gradient is weighted
 by its share, and a rank left without samples runs one stand-in sample of weight 0. A
@@ -41,7 +41,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
 from metadist.strategies.bind import explicit_parameters_active
-from metadist.strategies.cooperative import cooperating_group, uses_batch_statistics
+from metadist.strategies.cooperative import cooperation, uses_batch_statistics
 
 #: each checked layer's hook, removed by a later setup of the same module
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = weakref.WeakKeyDictionary()
@@ -99,14 +99,23 @@ class _Check:
                  strategy: str, world_size: int) -> None:
         self.root, self.layer = root, weakref.ref(layer)
         self.name, self.strategy, self.world_size = name, strategy, world_size
+        #: the layer's own weights (weights swapped in, e.g. by torch.func, are a task's);
+        #: none where a sharding strategy binds gathered copies for each forward
+        weights = [t for t in (layer.weight, layer.bias) if t is not None]
+        self.own = None if any(t.is_meta for t in weights) else {id(t) for t in weights}
 
     def __call__(self, layer: _BatchNorm, args: Any) -> None:
         installed = layer is self.layer() or getattr(layer, "_is_replica", False)
-        if not installed or not uses_batch_statistics(layer) or cooperating_group() is not None:
+        if not installed or not uses_batch_statistics(layer) or cooperation() is not None:
             return
         root = self.root()
         if root is not None and explicit_parameters_active(root):
             return  # a per-rank-task computation: the batch is this rank's own task
+        weights = [t for t in (getattr(layer, "weight", None), getattr(layer, "bias", None))
+                   if t is not None]
+        if weights and self.own is not None and not getattr(layer, "_is_replica", False) \
+                and not any(id(t) in self.own for t in weights):
+            return  # adapted weights: a per-rank task's
         raise RuntimeError(ask(f"BatchNorm layer '{self.name}' ({type(layer).__name__})",
                                self.strategy, self.world_size))
 
@@ -116,11 +125,14 @@ def ask(subject: str, strategy: str, parts: int) -> str:
     ``parts``) with ``sync_batchnorm`` unsaid, would compute, and the two choices."""
     # 'dp' splits the batch over replicas in one process, which cannot share statistics
     part, synced = ("replica", "ddp") if strategy == "dp" else ("rank", strategy)
-    return (f"{subject} would normalise this {part}'s slice of the batch by the slice's own "
-            f"statistics: on {parts} {part}s under '{strategy}' its outputs, gradients and "
-            "running statistics would differ from one process's on the global batch. Say "
-            f"which you mean: metadist.strategy('{synced}', sync_batchnorm=True) for the "
-            "global batch's statistics (one process's result), or sync_batchnorm=False to "
-            "normalise each rank's batch alone, as torch DDP does (one process's result only "
-            "where each rank's batch is meant to be normalised by itself, e.g. a task of its "
-            "own)")
+    return (f"{subject} would normalise by batch statistics on {parts} {part}s under "
+            f"'{strategy}', where each {part} holds its own batch, and only your program "
+            "knows whether the batches are slices of one global batch or batches of their "
+            "own. Say which: metadist.strategy("
+            f"'{synced}', sync_batchnorm=True) if they are slices of one global batch (the "
+            f"statistics of every {part}'s batch together: one process's result on the "
+            f"global batch), or sync_batchnorm=False if each {part}'s batch is one of its own, "
+            "a task as in meta-learning or a micro-batch (each normalised alone, running "
+            "statistics updated batch after batch in rank order: one process's result "
+            "running them one after another). A copy of the model or adapted weights (a "
+            "per-rank task) normalise by their own batch either way")

@@ -49,6 +49,14 @@ def explicit_parameters_active(root: nn.Module) -> bool:
     return id(root) in _EXPLICIT.get()
 
 
+def task_active(root: nn.Module) -> bool:
+    """Whether ``root`` runs a per-rank task on explicit parameters (a block opened with
+    ``task=True``: ``functional_forward``), not the module itself on other tensors
+    (``bound``, the meta engine's problems): a task's batch is its own
+    (strategies/batch_norm_calls.py)."""
+    return -id(root) in _EXPLICIT.get()
+
+
 def explicit_marks() -> frozenset[int]:
     """The marks of the blocks now open (to re-enter them later, :class:`Rebinding`)."""
     return _EXPLICIT.get()
@@ -104,10 +112,12 @@ class Rebinding:
     replaces."""
 
     def __init__(self, assignments: Sequence[tuple[Place, Tensor]],
-                 root: nn.Module | None = None, marks: frozenset[int] = frozenset()) -> None:
+                 root: nn.Module | None = None, marks: frozenset[int] = frozenset(),
+                 task: bool = False) -> None:
         self.assignments = assignments
         self.marks = marks | {id(store) for (store, _), _ in assignments} | (
-            {id(root)} if root is not None else set())
+            {id(root)} if root is not None else set()) | (
+            {-id(root)} if root is not None and task else set())  # (ids are positive)
         self._stack: list[tuple[list[Saved], Token[frozenset[int]]]] = []
 
     def __enter__(self) -> None:
@@ -239,13 +249,15 @@ def _unknown(module: nn.Module, index: _Index, mapping: Mapping[str, Tensor]) ->
                      f"named_buffers spell them): {shown or 'none'}")
 
 
-def bind_parameters(module: nn.Module, mapping: Mapping[str, Tensor]) -> Rebinding:
+def bind_parameters(module: nn.Module, mapping: Mapping[str, Tensor],
+                    task: bool = False) -> Rebinding:
     """``with bind_parameters(module, {name: tensor}):`` the module's forward reads each
     named tensor (names relative to ``module``, as ``named_parameters``/``named_buffers``
     spell them; one name of a tied weight binds every use) and everything else as it is;
-    restored on exit. The forward runs on explicit parameters (see the module notes). The
-    returned block may be entered again (and nested) to run on the same tensors."""
-    return Rebinding(_assignments(module, mapping), module)
+    restored on exit. The forward runs on explicit parameters (see the module notes), a
+    per-rank task's with ``task`` (:func:`task_active`). The returned block may be entered
+    again (and nested) to run on the same tensors."""
+    return Rebinding(_assignments(module, mapping), module, task=task)
 
 
 def rebind_parameters(module: nn.Module, mapping: Mapping[str, Tensor]) -> None:

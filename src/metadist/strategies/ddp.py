@@ -46,9 +46,19 @@ class ReplicatedModule(DistributedModule):
     def _dtype_bound_state(self) -> str | None:
         return "gradient buckets" if self.reducer is not None else None
 
+    def pre_functional_forward(self) -> None:
+        """Nothing: a forward on given parameters computes this rank's own task, which may
+        run on one rank and not another (no collective)."""
+
     def pre_forward(self) -> None:
+        # Rank 0's buffers, as torch DDP broadcasts them, except running statistics whose
+        # updates the ranks combine at the step (strategies/running_stats.py). Written
+        # through .data: a graph that saved a buffer (a double backward's) stays valid, as
+        # torch's kernels leave it when they update running statistics.
         if self._broadcast_buffers:
-            buffers = list(self.module.buffers())
+            ledger = self.running_stats()
+            buffers = [b.data for b in self.module.buffers()
+                       if ledger is None or not ledger.holds(b)]
             if buffers:
                 fused.fused_broadcast(buffers, src=0)
 

@@ -22,6 +22,20 @@ inner gradient arrives already reduced into the shards (strategies/sharded_fast.
 graph of K inner steps holds O(K P / N) parameters, not O(K P). The group is the world, but
 under ``hsdp`` it is the node: replica groups work on different tasks.
 
+[Note: uneven slices]
+One process averages the inner loss over the whole batch. When the group's slices differ in
+size (10 samples on 3 ranks: 4, 4, 2), the mean of the ranks' means would weight a sample of
+a small slice more. So a forward on fast weights weighs itself: the group's slice sizes (dim
+0 of the forward's first tensor argument) are summed in one small collective, and the
+gradient flowing back into the forward's outputs is scaled by this rank's share of the batch
+relative to an even split (``w = n * size / total``; exactly 1 for an even split, where
+nothing is scaled). A loss that is a mean over a rank's slice then weighs each sample as one
+process does in a backward, the outer one included, with no argument to pass. A gradient
+that is differentiated again cannot be weighted at the outputs (a loss's second derivative
+would take ``w`` twice), so :meth:`FastWeights.grad` moves the weight of the forwards its
+inner loss reads from their outputs to the loss itself, exact at every order.
+:meth:`FastWeights.split` takes this rank's slice (sizes differ by one at most).
+
 Arithmetic is element-wise on the pieces (``+ - * /``, :meth:`map` for any element-wise
 function, e.g. Adam's update); :meth:`dot` and :meth:`norm` reduce over the group (one
 collective). Anything else that would need a whole parameter goes through
@@ -30,6 +44,7 @@ collective). Anything else that would need a whole parameter goes through
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -38,7 +53,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves
+from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves, tree_map_only
 
 from metadist.strategies.shard_piece import as_piece, plain, shard_internals
 
@@ -65,6 +80,9 @@ class FastLayout(Protocol):
     def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
               share: float | None) -> tuple[Tensor, ...]:
         """The group's mean gradient of ``loss`` with respect to ``pieces``."""
+
+    def group(self) -> Any:
+        """The process group of the ranks cooperating (None: the world)."""
 
     def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
         """Pieces laid out like the fast weights from full tensors by name."""
@@ -165,11 +183,24 @@ class FastWeights:
              share: float | None = None) -> FastWeights:
         """The gradient of the group's mean inner loss (``loss`` is this rank's, a mean over
         its slice of the batch), laid out like these fast weights. ``create_graph`` (the
-        default) keeps it differentiable for second-order meta-gradients. ``share``: this
-        rank's fraction of the group's batch when the slices differ in size (default: an
-        even split)."""
+        default) keeps it differentiable for second-order meta-gradients. Slices of
+        different sizes are weighted by the forward already (module notes); ``share``, this
+        rank's fraction of the group's batch, is then not needed, and if given must be that
+        fraction."""
+        if share is not None:
+            _check_share(self.layout, share)
+        if _UNEVEN.get(self.layout):
+            loss = loss * _weight_at_loss(loss, self.pieces)
         return FastWeights(self.layout, self.layout.grads(loss, self.pieces, create_graph,
-                                                          share))
+                                                          None))
+
+    def split(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        """This rank's slice (along dim 0) of each of ``tensors``, the inner problem's batch
+        shared by the group: ``torch.tensor_split`` into :attr:`group_size` parts, sizes
+        differing by one at most. Forwards on these fast weights weigh uneven slices
+        themselves (module notes)."""
+        size, rank = self.group_size, self.group_rank
+        return tuple(torch.tensor_split(t, size)[rank] for t in tensors)
 
     # ----- conversions ----------------------------------------------------------------------
     def like(self, values: Mapping[str, Tensor]) -> FastWeights:
@@ -282,6 +313,9 @@ class ReplicatedLayout:
     def replicas(self) -> tuple[int, int]:
         return 1, 0
 
+    def group(self) -> Any:
+        return None
+
     def reduce_sum(self, value: Tensor) -> Tensor:
         return value  # the pieces are whole and the same on every rank
 
@@ -296,8 +330,7 @@ class ReplicatedLayout:
             return tuple(out)
         if self.scale is not None:
             check_even_weights(self.scale())
-        scale = (share if share is not None else 1.0 / size)
-        return tuple(functional.all_reduce_many([g * scale for g in out], "sum"))
+        return tuple(functional.all_reduce_many([g / size for g in out], "sum"))
 
     def like(self, values: Mapping[str, Tensor]) -> tuple[Tensor, ...]:
         require_all(self.names, values)
@@ -339,6 +372,90 @@ def check_even_weights(weight: float) -> None:
             "ragged last batch of a distributed loader, or set_batch_weight): give every rank "
             "an equal slice of the batch (drop_last=True), or weight the losses yourself and "
             "call strategy.set_batch_weight(1, world_size) on every rank")
+
+
+#: each layout's share of the last forward on its fast weights (module notes), this rank's
+_SHARES: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+#: the layouts a forward on uneven slices ran on
+_UNEVEN: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+class _Weigh(torch.autograd.Function):
+    """The identity, whose gradient is scaled by ``factor``: a forward's outputs weighted
+    for a backward (module notes). Its node keeps ``factor``, which
+    :func:`_weight_at_loss` sets to 1 when the weight moves to a loss."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return (grad if ctx.factor == 1.0 else grad * ctx.factor), None
+
+
+def _weight_at_loss(loss: Tensor, pieces: Sequence[Tensor]) -> float:
+    """The weight of the forwards ``loss`` reads (their weighted outputs, found walking its
+    graph back to them or to ``pieces``), unset at their outputs: the loss carries it."""
+    stops = {p.grad_fn for p in pieces if p.grad_fn is not None}
+    weigh = _Weigh._backward_cls
+    found: list[Any] = []
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        if isinstance(node, weigh):
+            found.append(node)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    factors = {node.factor for node in found if node.factor != 1.0}
+    if len(factors) > 1:
+        raise ValueError(
+            "this inner loss reads forwards on slices of different shares of their batches "
+            f"({', '.join(f'{f:.4g}' for f in sorted(factors))} of an even split): its "
+            "gradient cannot weigh each sample as one process does. Differentiate each "
+            "batch's loss in a fast.grad of its own, or split the batches alike")
+    for node in found:
+        node.factor = 1.0
+    return factors.pop() if factors else 1.0
+
+
+def weigh_slice(layout: FastLayout, out: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Any:
+    """A forward's outputs ``out`` on fast weights of ``layout``, weighted by this rank's
+    share of the group's batch (module notes): one small collective over the group."""
+    from metadist.comm import ops
+
+    size = layout.group_size()
+    if size == 1:
+        return out
+    first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+                  and t.dim() > 0), None)
+    if first is None:
+        return out
+    count = torch.tensor([float(first.shape[0])], dtype=torch.float64, device=first.device)
+    ops.all_reduce(count, "sum", group=layout.group())
+    total = float(count)
+    factor = first.shape[0] * size / total if total > 0 else 1.0
+    _SHARES[layout] = factor / size
+    if factor == 1.0:
+        return out
+    _UNEVEN[layout] = True
+    return tree_map_only(Tensor, lambda t: _Weigh.apply(t, factor)
+                         if t.requires_grad and t.is_floating_point() else t, out)
+
+
+def _check_share(layout: FastLayout, share: float) -> None:
+    known = _SHARES.get(layout)
+    if known is not None and abs(share - known) > 1e-12 * max(1.0, abs(known)):
+        raise ValueError(
+            f"fast.grad(..., share={share:.6g}), but this rank's slice is {known:.6g} of the "
+            "group's batch in the last forward on these fast weights: forwards weigh uneven "
+            "slices themselves, so leave share= out")
 
 
 def _distributed() -> bool:

@@ -50,7 +50,7 @@ from metadist.strategies.bind import Place, Rebinding, explicit_parameters_activ
 from metadist.strategies.compile import eager, pieces
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.deferred import DeferredSetup, broadcast_state
-from metadist.strategies.fast_weights import FastWeights
+from metadist.strategies.fast_weights import FastWeights, weigh_slice
 from metadist.strategies.flat import (
     FlatParam,
     Slot,
@@ -345,7 +345,7 @@ class ShardedModule(DistributedModule):
             placed.extend((place_of(module, attr), value)  # every value is given by now
                           for slot, value in zip(flat.slots, values, strict=True)
                           if value is not None for module, attr in slot.uses)
-        with Rebinding(placed, self.module):
+        with Rebinding(placed, self.module, task=True):
             out = self.run(self.module, args, kwargs)
         # Frozen parameters read here have no unit hooks: gathered again (if need be) when
         # the backward reaches the outputs and kept to its end; freed now if none will come.
@@ -364,7 +364,8 @@ class ShardedModule(DistributedModule):
         members run, the root unit throughout (strategies/sharded_fast.py)."""
         with sharded_fast.fast_forward(self.module, self._pieces_of(fast), self.units[-1],
                                        self.flats):
-            return self.run(self.module, args, kwargs)
+            out = self.run(self.module, args, kwargs)
+        return weigh_slice(fast.layout, out, args, kwargs)
 
     def _pieces_of(self, fast: FastWeights) -> dict[FlatParam, torch.Tensor]:
         if not isinstance(fast.layout, sharded_fast.ShardedLayout) or \

@@ -10,6 +10,7 @@ runs the module with any such dictionary (e.g. weights adapted in an inner loop)
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -18,12 +19,18 @@ import torch
 from torch import nn
 
 from metadist.precision import Precision
+from metadist.strategies.batch_norm_calls import copy_running
 from metadist.strategies.bind import bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
 from metadist.strategies.cooperative import cooperating
-from metadist.strategies.fast_weights import FastWeights, ReplicatedLayout
+from metadist.strategies.fast_weights import FastWeights, ReplicatedLayout, weigh_slice
 from metadist.strategies.grad_norm import Split
 from metadist.strategies.placement import ModulePlacement, replicated_module
+from metadist.strategies.running_stats import LEDGERS, RunningStats
+
+#: the modules strategies returned from setup; a copy of one (learn2learn's clone, higher's
+#: patched module, copy.deepcopy) is not among them, and runs a per-rank task
+_SET_UP: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class DistributedModule(nn.Module):
@@ -42,6 +49,12 @@ class DistributedModule(nn.Module):
         self._fast_layout: Any = None  # fast_weights()' layout, one per module
         self._register_load_state_dict_pre_hook(DistributedModule._nest_keys, with_module=True)
         self.register_load_state_dict_post_hook(DistributedModule._unnest_keys)
+        _SET_UP.add(self)
+
+    def is_set_up(self) -> bool:
+        """Whether this is the module setup returned, not a copy of it (a copy runs each
+        rank's own task: no collective of the strategy runs in its forward)."""
+        return self in _SET_UP
 
     def _apply(self, fn: Any, recurse: bool = True) -> DistributedModule:
         """``model.to(device)``, ``.cpu()``, ``.float()`` on a float model: as on a plain
@@ -117,6 +130,11 @@ class DistributedModule(nn.Module):
     def pre_forward(self) -> None:
         """Per-forward work of the strategy (e.g. buffer broadcast). Default: nothing."""
 
+    def pre_functional_forward(self) -> None:
+        """Work before a forward on given parameters (:meth:`functional_forward`). Default:
+        :meth:`pre_forward`."""
+        self.pre_forward()
+
     def wait_params(self) -> None:
         """Finish any in-flight parameter refresh (zero1/zero2 overlap it with the next
         forward). Reads through this wrapper wait by themselves; call it before reading
@@ -155,8 +173,26 @@ class DistributedModule(nn.Module):
                 "loader feed the model)")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_set_up():
+            with copy_running():
+                return self.run(self.module, args, kwargs)
         self.pre_forward()
         return self.run(self.module, args, kwargs)
+
+    def running_stats(self) -> RunningStats | None:
+        """The record of the ranks' own batches' updates of running statistics (None where
+        one rank computes, or the batch parts are not ranks)."""
+        ledger = LEDGERS.get(self.module)
+        return ledger if ledger else None
+
+    def sync_running_stats(self) -> None:
+        """Combine every rank's updates of the running statistics since the last optimizer
+        step, as one process running the ranks' batches in rank order makes them
+        (strategies/running_stats.py). Collective: every rank calls it. The step of an
+        optimizer set up by the strategy calls it."""
+        ledger = self.running_stats()
+        if ledger is not None:
+            ledger.sync()
 
     # torch.compile: the strategy's work stays eager, compile_pieces() are compiled
     __call__ = call
@@ -225,9 +261,10 @@ class DistributedModule(nn.Module):
         than being ignored)."""
         if isinstance(params, FastWeights):
             with cooperating(None, params.layout.group_size()):
-                return self.functional_forward(params.full(), *args, **kwargs)
-        self.pre_forward()
-        with bind_parameters(self.module, params):
+                out = self.functional_forward(params.full(), *args, **kwargs)
+            return weigh_slice(params.layout, out, args, kwargs)
+        self.pre_functional_forward()
+        with bind_parameters(self.module, params, task=True):
             return self.run(self.module, args, kwargs)
 
     def bound(self, params: Mapping[str, torch.Tensor] | FastWeights

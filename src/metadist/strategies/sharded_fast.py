@@ -387,6 +387,9 @@ class ShardedLayout:
         _, count, index = ops.group_info(self.flats[0].replicate_group)
         return count, index
 
+    def group(self) -> Any:
+        return self.flats[0].group
+
     def initial(self) -> tuple[Tensor, ...]:
         return tuple(_Start.apply(flat.shard, flat) for flat in self.flats)
 
@@ -418,7 +421,7 @@ class ShardedLayout:
     def grads(self, loss: Tensor, pieces: Sequence[Tensor], create_graph: bool,
               share: float | None) -> tuple[Tensor, ...]:
         check_even_weights(self.flats[0].scale())
-        weight = share if share is not None else 1.0 / self.group_size()
+        weight = 1.0 / self.group_size()  # uneven slices: weighted by their forwards
         # the rank's weight in the group's mean, at the loss: every backward below it
         # (gathers, group sums) is then a plain sum over the group
         with saved_as_shards():

@@ -22,6 +22,8 @@ after ``step()``
 ``"shards_changed"``      drop gathered copies of the old parameters (zero3, hsdp)
 ``"refresh_params"``      refresh every rank's parameters from their owners (zero1/2)
 ``"update_scale"``        grow or back off the loss scale (16-mixed)
+``"running_stats"``       combine the ranks' updates of running statistics from their own
+                          batches (strategies/running_stats.py)
 ========================  =========================================================
 
 A step the scaler skipped still runs the post phases: the refresh then copies unchanged
@@ -39,7 +41,8 @@ from typing import Any, Literal, get_args
 from torch.optim import Optimizer
 
 PrePhase = Literal["sync_grads", "wait_params", "unscale", "skip_unreached"]
-PostPhase = Literal["restore_unreached", "shards_changed", "refresh_params", "update_scale"]
+PostPhase = Literal["restore_unreached", "shards_changed", "refresh_params", "update_scale",
+                    "running_stats"]
 Phase = PrePhase | PostPhase
 PRE: tuple[PrePhase, ...] = get_args(PrePhase)
 POST: tuple[PostPhase, ...] = get_args(PostPhase)

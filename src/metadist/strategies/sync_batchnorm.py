@@ -19,9 +19,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from metadist.comm import functional, ops
 from metadist.runtime.world import Group
-from metadist.strategies.batch_norm_calls import own_call
+from metadist.strategies.batch_norm_calls import ledger_of, own_batch, own_call, task_ledger
 from metadist.strategies.batch_statistics import share_of
-from metadist.strategies.cooperative import cooperating_group, uses_batch_statistics
+from metadist.strategies.cooperative import cooperating_group, cooperation, uses_batch_statistics
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -80,6 +80,20 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
             factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
                       else self.momentum)
+        running = (self.running_mean, self.running_var)
+        if cooperation() is None:
+            # a per-rank task (a copy of the set-up model, explicit or adapted weights):
+            # this task's batch alone, as one process normalises each task's
+            task = task_ledger(*running, self.weight, self.bias)
+            if task is not None:
+                with own_call():
+                    return own_batch(task, *running, x, factor, lambda: F.batch_norm(
+                        x, None, None, self.weight, self.bias, True, 0.0, self.eps),
+                        lambda: F.batch_norm(x, *running, self.weight, self.bias, True,
+                                             factor or 0.0, self.eps))
+        ledger = ledger_of(self.running_mean)
+        if ledger is not None and factor is not None:
+            ledger.global_update(*running)
         share = share_of(self) if active is None and self.group is None else 1.0
         return global_batch_norm(x, self.running_mean, self.running_var, self.weight,
                                  self.bias, factor, self.eps, group, share)
@@ -142,9 +156,12 @@ def global_batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
 def _update_running_stats(running_mean: torch.Tensor, running_var: torch.Tensor,
                           mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor,
                           factor: float) -> None:
+    # through .data: autograd does not version an update of running statistics (torch's
+    # kernels make theirs likewise), so a graph that saved them, a double backward's, stays
+    # valid
     unbiased = var * (count / (count - 1.0).clamp(min=1.0))
-    running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
-    running_var.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
+    running_mean.data.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+    running_var.data.mul_(1 - factor).add_(unbiased.to(running_var.dtype), alpha=factor)
 
 
 def convert_sync_batchnorm(module: nn.Module, group: Group = None) -> nn.Module:

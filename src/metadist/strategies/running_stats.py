@@ -57,16 +57,8 @@ class _Slot:
     pending: bool = False
     global_updates: bool = False  # updated by the global batch since the last combination
 
-    def reset(self) -> None:
-        self.scale = 0.0 if self.cumulative else 1.0
-        self.offset = None
-        if self.count is not None:
-            self.counted = torch.zeros((), dtype=torch.float64, device=self.count.device)
-            self.seen = self.count.detach().clone()
-        self.pending = self.global_updates = False
-
     def fold(self, stats: Tensor, factor: float) -> None:
-        if self.offset is None:
+        if self.offset is None:  # kept from then on, zeroed at each combination
             self.offset = torch.zeros(self.tensor.numel(), dtype=torch.float64,
                                       device=self.tensor.device)
         if self.cumulative:
@@ -81,43 +73,76 @@ class _Slot:
             self.seen.copy_(self.count)
         self.pending = True
 
-    def record(self) -> Tensor:
-        """[scale, count increments, offset...] in float64 on the tensor's device."""
-        device = self.tensor.device
-        offset = (self.offset if self.offset is not None
-                  else torch.zeros(self.tensor.numel(), dtype=torch.float64, device=device))
-        counted = (self.counted.reshape(1) if self.counted is not None
-                   else torch.zeros(1, dtype=torch.float64, device=device))
-        scale = torch.full((1,), self.scale, dtype=torch.float64, device=device)
-        return torch.cat([scale, counted, offset])
 
-    def shared_count(self) -> Tensor | None:
-        """The count every rank shares: this rank's, less its own batches' increments."""
-        if self.count is None:
-            return None
-        assert self.counted is not None
-        return self.count.to(torch.float64) - self.counted
+class _Records:
+    """The records of some slots, laid out as one float64 vector (``[scales, count
+    increments, offsets]``) to exchange, and combined for all of them at once."""
+
+    def __init__(self, slots: list[_Slot], device: torch.device) -> None:
+        self.slots = slots
+        self.sizes = [s.tensor.numel() for s in slots]
+        for slot in slots:
+            if slot.count is not None and slot.counted is None:
+                slot.counted = torch.zeros((), dtype=torch.float64, device=device)
+                slot.seen = slot.count.detach().to(torch.float64)
+        self.expand = torch.repeat_interleave(torch.arange(len(slots), device=device),
+                                              torch.tensor(self.sizes, dtype=torch.long,
+                                                           device=device))
+        self.cumulative = torch.tensor([s.cumulative for s in slots], device=device)[
+            self.expand]
+        self.counted = [s for s in slots if s.count is not None]
+
+    def record(self) -> Tensor:
+        device = self.expand.device
+        offsets = [s.offset if s.offset is not None else
+                   torch.zeros(s.tensor.numel(), dtype=torch.float64, device=device)
+                   for s in self.slots]
+        counted = [s.counted.reshape(1) if s.counted is not None else
+                   torch.zeros(1, dtype=torch.float64, device=device) for s in self.slots]
+        return torch.cat([torch.tensor([s.scale for s in self.slots], dtype=torch.float64,
+                                       device=device), *counted, *offsets])
 
     @torch.no_grad()
-    def apply(self, records: list[Tensor], count: Tensor | None) -> None:
-        """Combine every rank's record, in rank order, into the shared value (``count``:
-        :meth:`shared_count`, taken before any slot of the layer was written)."""
-        value = self.tensor.detach().reshape(-1).to(torch.float64)
-        for record in records:
-            scale, counted, offset = record[0], record[1], record[2:]
-            if self.cumulative and count is not None:
-                total = count + scale
-                value = torch.where(total > 0, (count * value + offset) / total.clamp(min=1),
-                                    value)
-            elif not self.cumulative:
-                value = scale * value + offset
-            if count is not None:
-                count = count + counted
+    def apply(self, everyone: list[Tensor]) -> None:
+        """Every rank's record (as :meth:`record` lays it out), combined in rank order into
+        the values all ranks share."""
+        n, expand = len(self.slots), self.expand
+        value = torch.cat([s.tensor.detach().reshape(-1).to(torch.float64)
+                           for s in self.slots])
+        count = torch.zeros(n, dtype=torch.float64, device=expand.device)
+        for i, slot in enumerate(self.slots):  # the count all ranks share: less this rank's
+            if slot.count is not None:
+                assert slot.counted is not None
+                count[i] = slot.count.to(torch.float64) - slot.counted
+        for record in everyone:
+            scale, counted, offset = record[:n], record[n:2 * n], record[2 * n:]
+            total = count + scale
+            averaged = torch.where((total > 0)[expand],
+                                   (count[expand] * value + offset) / total.clamp(min=1)[expand],
+                                   value)
+            value = torch.where(self.cumulative, averaged, scale[expand] * value + offset)
+            count = count + counted
         # .data: an update of running statistics, which autograd does not version (torch's
-        # kernels update them likewise), so graphs that saved the tensor stay valid
-        self.tensor.data.copy_(value.reshape(self.tensor.shape))
-        if self.owns_count and self.count is not None and count is not None:
-            self.count.data.copy_(count.round().to(self.count.dtype))
+        # kernels update them likewise), so graphs that saved a tensor stay valid
+        torch._foreach_copy_([s.tensor.data for s in self.slots],
+                             [v.view(s.tensor.shape) for v, s in
+                              zip(value.split(self.sizes), self.slots, strict=True)])
+        owners = [(i, s) for i, s in enumerate(self.slots) if s.owns_count]
+        if owners:
+            torch._foreach_copy_([s.count.data for _, s in owners if s.count is not None],
+                                 [count[i].round() for i, _ in owners])
+
+    def reset(self) -> None:
+        offsets = [s.offset for s in self.slots if s.offset is not None]
+        if offsets:
+            torch._foreach_zero_(offsets)
+        if self.counted:
+            torch._foreach_zero_([s.counted for s in self.counted])  # type: ignore[misc]
+            torch._foreach_copy_([s.seen for s in self.counted],  # type: ignore[misc]
+                                 [s.count for s in self.counted])  # type: ignore[misc]
+        for slot in self.slots:
+            slot.scale = 0.0 if slot.cumulative else 1.0
+            slot.pending = slot.global_updates = False
 
 
 class RunningStats:
@@ -147,8 +172,13 @@ class RunningStats:
                 if found is not None:
                     found.count, found.owns_count = count, i == 0
                     found.cumulative = module.momentum is None
+        #: the BatchNorm layers' statistics, exchanged at every combination; the others
+        #: (a program's own normalisation) only where a rank recorded into them
+        device = self._slots[0].tensor.device if self._slots else torch.device("cpu")
+        self._layers = _Records([s for s in self._slots if s.count is not None], device)
+        self._layers.reset()
         for slot in self._slots:
-            slot.reset()
+            slot.scale = 0.0 if slot.cumulative else 1.0
 
     def __bool__(self) -> bool:
         return bool(self._slots)
@@ -218,45 +248,32 @@ class RunningStats:
     def sync(self) -> None:
         """Combine every rank's records in rank order into the running statistics (every
         rank calls it: collective). One all-gather carries which slots each rank recorded
-        and the records of the BatchNorm layers' statistics; a second one, only where a rank
-        recorded into other slots (a program's own normalisation), carries theirs."""
+        into and the records of the BatchNorm layers' statistics; a second one, only where a
+        rank recorded into other slots (a program's own normalisation), carries theirs."""
         if not self._slots:
             return
-        layers = [s for s in self._slots if s.count is not None]
-        first = self._gather([torch.tensor([float(s.pending) for s in self._slots],
-                                           dtype=torch.float64), *(s.record() for s in layers)])
-        flags = torch.stack([t[:len(self._slots)] for t in first]).amax(0).tolist()
-        touched = {id(s) for s, flag in zip(self._slots, flags, strict=True) if flag > 0}
-        if touched:
-            self._apply([s for s in layers if id(s) in touched],
-                        [t[len(self._slots):] for t in first], layers)
-            others = [s for s in self._slots if s.count is None and id(s) in touched]
-            if others:
-                self._apply(others, self._gather([s.record() for s in others]), others)
+        flags = torch.tensor([float(s.pending) for s in self._slots], dtype=torch.float64)
+        first = self._gather(torch.cat([flags.to(self._layers.expand.device),
+                                        self._layers.record()]))
+        touched = torch.stack([t[:len(self._slots)] for t in first]).amax(0).tolist()
+        hit = {id(s) for s, flag in zip(self._slots, touched, strict=True) if flag > 0}
+        if any(id(s) in hit for s in self._layers.slots):
+            self._layers.apply([t[len(self._slots):] for t in first])
+        others = _Records([s for s in self._slots if s.count is None and id(s) in hit],
+                          self._layers.expand.device)
+        if others.slots:
+            others.apply(self._gather(others.record()))
+            others.reset()
+        self._layers.reset()
         for slot in self._slots:
-            slot.reset()
+            slot.pending = slot.global_updates = False
 
-    def _gather(self, parts: list[Tensor]) -> list[Tensor]:
-        """Every rank's concatenation of ``parts`` (float64), in rank order."""
-        device = self._slots[0].tensor.device
-        mine = torch.cat([p.to(device) for p in parts])
+    def _gather(self, mine: Tensor) -> list[Tensor]:
+        """Every rank's ``mine`` (float64, the same length on every rank), in rank order."""
         size = ops.group_info(None)[1]
-        gathered = torch.empty(size * mine.numel(), dtype=mine.dtype, device=device)
+        gathered = torch.empty(size * mine.numel(), dtype=mine.dtype, device=mine.device)
         ops.all_gather(gathered, mine)
         return list(gathered.chunk(size))
-
-    @staticmethod
-    def _apply(which: list[_Slot], everyone: list[Tensor], laid: list[_Slot]) -> None:
-        """Apply the records of ``which`` from ``everyone`` (each rank's records of the
-        slots ``laid``, in that order)."""
-        at, offsets = 0, {}
-        for slot in laid:
-            offsets[id(slot)] = at
-            at += 2 + slot.tensor.numel()
-        counts = [slot.shared_count() for slot in which]  # before any slot writes its count
-        for slot, count in zip(which, counts, strict=True):
-            start, width = offsets[id(slot)], 2 + slot.tensor.numel()
-            slot.apply([t[start:start + width] for t in everyone], count)
 
 
 def _mixed(name: str) -> str:

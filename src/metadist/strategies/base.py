@@ -186,10 +186,11 @@ def _check_option_type(field: dataclasses.Field[Any], value: Any) -> None:
 class StrategyConfig:
     """Options every strategy accepts."""
 
-    #: BatchNorm statistics on several ranks: True converts BatchNorm layers to metadist's
-    #: cross-rank SyncBatchNorm (the global batch's, one process's result; CPU and GPU);
-    #: False keeps each rank's own (torch DDP's); None (not said) stops at the first
-    #: forward that would normalise by a rank's batch alone (strategies/batch_statistics.py).
+    #: What the model's own forward normalises by on several ranks: True, every rank's batch
+    #: together (they are slices of one global batch: BatchNorm layers become metadist's
+    #: SyncBatchNorm, CPU and GPU); False, each rank's batch alone (one of its own: a task,
+    #: a micro-batch); None (not said) stops at the first such forward and asks. Per-rank
+    #: tasks normalise by their own batch either way (strategies/batch_statistics.py).
     sync_batchnorm: bool | None = None
     #: "32-true", "bf16-mixed", "16-mixed" (with a rank-synchronised loss scaler) or
     #: "bf16-true"; see metadist.precision.

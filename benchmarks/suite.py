@@ -33,7 +33,8 @@ from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
-              "compiled", "sharded_meta", "maml_overhead", "task_batchnorm", "gpu_step")
+              "compiled", "sharded_meta", "maml_overhead", "task_batchnorm", "agreement",
+              "dtensor_spike", "gpu_step")
 
 
 class SuiteError(Exception):
@@ -84,6 +85,8 @@ def spec(name: str) -> Spec:
             return Spec(name, module, world=False)
         case "task_batchnorm":  # 2 ranks: combining the running statistics at the step
             return Spec(name, module, world=False)
+        case "agreement" | "dtensor_spike":  # the step's agreement; shards as DTensors
+            return Spec(name, module)
         case "gpu_step":  # world 1, a process per case; the size on cuda, tiny on CPUs
             return Spec(name, module, world=False)
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")

@@ -39,8 +39,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bfloat16"`` -> ``torch.bfloat16`` (dtypes and None pass through)."""
-    if value is None or isinstance(value, torch.dtype):
+    """``"bfloat16"`` -> ``torch.bfloat16`` (None passes through; a dtype must be a floating
+    one: gradients and parameters are reduced and computed in it)."""
+    if value is None:
+        return value
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise ValueError(f"dtype {value} is not a floating dtype: gradients and parameters "
+                             "would be rounded to integers; choose one of: "
+                             f"{', '.join(DTYPES)} (or torch.float64)")
         return value
     if value not in DTYPES:
         raise ValueError(f"dtype {value!r} is not known; choose one of: {', '.join(DTYPES)}")

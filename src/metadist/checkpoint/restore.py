@@ -134,6 +134,7 @@ class _Planner:
         if saved is None:
             raise CorruptCheckpointError(f"{self.where}: the param groups of {describe((name,))} "
                                          "are missing; the checkpoint is corrupted")
+        _check_optimizer_class(f"{self.where}: {describe((name,))}", optimizer, saved)
         here, there = list(where.counts), [len(g["params"]) for g in saved]
         if here != there:
             raise CheckpointMismatchError(
@@ -234,3 +235,27 @@ def plan(source: Source, entries: list[Entry], state: dict[str, Any], rank: int)
     saved_rng = rng.pick(source.rng, rank)
     out.actions.append(lambda: rng.restore(saved_rng))
     return out
+
+
+#: keys torch or a scheduler adds to param groups beside an optimizer's hyperparameters
+_ADDED_KEYS = frozenset({"params", "initial_lr", "foreach", "fused", "capturable",
+                         "differentiable", "maximize", "decoupled_weight_decay"})
+
+
+def _check_optimizer_class(where: str, optimizer: Optimizer,
+                           saved: list[dict[str, Any]]) -> None:
+    """Refuse a checkpoint saved from another optimizer class: its param groups carry
+    hyperparameters this optimizer does not take (Adam's betas into SGD), and loading would
+    give the groups those values and leave state the step cannot read."""
+    takes = set(optimizer.defaults) | _ADDED_KEYS
+    for i, (group, here) in enumerate(zip(saved, optimizer.param_groups, strict=False)):
+        foreign = sorted(set(group) - takes - set(here))
+        missing = sorted(set(optimizer.defaults) - set(group) - _ADDED_KEYS)
+        if foreign:
+            raise CheckpointMismatchError(
+                f"{where}: param group {i} in the checkpoint has hyperparameters "
+                f"{', '.join(foreign)}, which {type(optimizer).__name__} does not take (it "
+                f"takes {', '.join(sorted(set(optimizer.defaults) - _ADDED_KEYS))}"
+                f"{'; the checkpoint lacks ' + ', '.join(missing) if missing else ''}): it was "
+                "saved from another optimizer class. Build the optimizer the checkpoint was "
+                "saved from, or load the model alone and start this optimizer afresh")

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
 from metadist.strategies import (
+    agreement,
     batch_norm_calls,
     batch_statistics,
     deferred,
@@ -209,6 +211,22 @@ class StrategyConfig:
         parse_dtype(self.reduce_dtype)
 
 
+#: each user's module set up, and the strategy that did it: a second setup would build a
+#: second set of gradient hooks, buckets or shards over tensors the first still holds
+_SET_UP_MODULES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def _check_not_set_up(model: nn.Module) -> None:
+    first = _SET_UP_MODULES.get(model)
+    if first is not None:
+        raise ValueError(
+            f"this {type(model).__name__} was set up already, by strategy '{first}': a second "
+            "setup would build its own gradient hooks and state over parameters the first "
+            "still holds, and train to other values than one process. Keep using the model "
+            "the first setup returned, or set up a fresh module (copy.deepcopy(net) before "
+            "the first setup)")
+
+
 class Strategy(ABC):
     """How a training loop runs on many processes. Build one with :func:`metadist.strategy`."""
 
@@ -279,6 +297,13 @@ class Strategy(ABC):
         the set-up model compiled with the same options (see strategies/compile.py)."""
         self.init()
         model, compiled = take_compile(model)
+        _check_not_set_up(model)
+        agreement.agree(f"setup under {self.name!r}",
+                        [*agreement.options_items(self.name, self.config),
+                         *agreement.module_items(model)],
+                        "Build the same model with the same strategy options on every rank "
+                        "(a per-rank configuration or a rank-dependent branch makes them "
+                        "differ)")
         log = deferred.log_of(model)
         if log is None:
             _check_materialized(model)
@@ -302,6 +327,7 @@ class Strategy(ABC):
             compile_setup(module, compiled)
         if module.split_gradients():  # torch's clip_grad_norm_ & co. must see the parts
             grad_norm.track(module)
+        _SET_UP_MODULES[module.module] = self.name
         ownership.claim(module.parameters(), self.name, self._optimizer_needed())
         return module
 
@@ -326,9 +352,16 @@ class Strategy(ABC):
                             "optimizer) for both")
         step_chain.check_not_set_up(optimizer)
         self.init()
+        agreement.agree(f"setup_optimizer under {self.name!r}",
+                        agreement.optimizer_items(optimizer),
+                        "Build the same optimizer, with the same hyperparameters and param "
+                        "groups, on every rank (a per-rank configuration makes them differ; a "
+                        "rank-dependent learning rate trains each rank's part differently)")
         try:
             optimizer = self._setup_optimizer(module, optimizer)  # fills the strategy's phases
             chain = step_chain.building(optimizer)
+            if self.world.world_size > 1:  # hyperparameters and step count, every step
+                chain.add("agree", agreement.StepAgreement(optimizer, self.name))
             if self.scaler is not None:
                 chain.add("unscale", functools.partial(self.scaler.before_step, optimizer))
                 chain.add("update_scale", self.scaler.after_step)
@@ -365,6 +398,9 @@ class Strategy(ABC):
         from metadist.data import distribute_loader
 
         w = self.init()
+        agreement.agree("setup_dataloader", agreement.loader_items(loader, dataset_shards_itself),
+                        "Give every rank the whole dataset and the same loader settings: "
+                        "setup_dataloader gives each rank its share of every global batch")
         return distribute_loader(loader, rank=w.rank, world_size=w.world_size, seed=seed,
                                  on_batch=self.set_batch_weight,
                                  dataset_shards_itself=dataset_shards_itself)

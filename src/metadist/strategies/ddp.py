@@ -4,6 +4,7 @@ inner loops with any number of forwards and ``autograd.grad(create_graph=True)``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,8 +32,11 @@ class DDPConfig(StrategyConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.bucket_cap_mb <= 0 or self.first_bucket_mb <= 0:
-            raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
+        for name in ("bucket_cap_mb", "first_bucket_mb"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number of MiB, got "
+                                 f"{value!r} (e.g. {name}=25.0)")
 
 
 class ReplicatedModule(DistributedModule):

@@ -111,6 +111,16 @@ def check_backward(loss: torch.Tensor, inputs: Sequence[torch.Tensor] | torch.Te
     else:
         return  # no graph: autograd itself says so
     claimed = [t for t in leaves if claim_of(t) is not None]
+    if not claimed and leaves and not any(isinstance(t, nn.Parameter) for t in leaves):
+        shapes = ", ".join(str(tuple(t.shape)) for t in leaves[:3])
+        raise RuntimeError(
+            f"strategy {strategy!r}: this backward reaches no parameter, only tensor(s) that "
+            f"are not parameters (shapes {shapes}{' ...' if len(leaves) > 3 else ''}): a set-up "
+            "model whose parameters need no gradient here, and an input's gradient, say. "
+            "strategy.backward averages parameters' gradients across ranks, and there are "
+            "none. For an input's gradient (each rank's own, as one process computes it for "
+            "its batch) call torch.autograd.grad(loss, x); a weight kept as a plain tensor "
+            "would drift apart across ranks: make it an nn.Parameter of the set-up module")
     if not claimed:
         raise RuntimeError(
             f"strategy {strategy!r}: this loss reaches no parameter of a module set up by a "

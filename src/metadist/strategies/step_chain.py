@@ -11,6 +11,8 @@ named phase. The phases run in this fixed order:
 
 ========================  =========================================================
 before ``step()``
+``"agree"``               every rank at the same step with the same hyperparameters
+                          (strategies/agreement.py)
 ``"sync_grads"``          finish the gradient sync ``no_sync`` left local (ddp, zero1/2)
 ``"wait_params"``         finish the parameter refresh still in flight (zero1/2 overlap)
 ``"unscale"``             unscale, check every rank for inf/NaN, drop the step's gradients
@@ -40,7 +42,7 @@ from typing import Any, Literal, get_args
 
 from torch.optim import Optimizer
 
-PrePhase = Literal["sync_grads", "wait_params", "unscale", "skip_unreached"]
+PrePhase = Literal["agree", "sync_grads", "wait_params", "unscale", "skip_unreached"]
 PostPhase = Literal["restore_unreached", "shards_changed", "refresh_params", "update_scale",
                     "running_stats"]
 Phase = PrePhase | PostPhase

@@ -1,0 +1,195 @@
+"""What must be equal on every rank, compared in one collective, before anything depends on it.
+
+[Note: why a mechanism]
+Every strategy computes one process's result only if every rank runs the same program on
+the same model with the same optimizer and options. A rank whose model has another shape
+fails deep in a collective ("Received data size doesn't match"); a rank with another
+learning rate trains silently to other values. So setup describes what must agree as a list
+of named items (each parameter's and buffer's name, shape, dtype and ``requires_grad``; the
+strategy's name and options; the optimizer's class and every param group's hyperparameters
+and parameter shapes) and compares them across ranks in one all-gather of a 32-byte digest.
+Where the digests differ, a second collective brings every rank's items, and every rank
+stops with the same error naming the first item that differs, the ranks and both values.
+
+[Note: during training]
+What a program or a scheduler changes later, the param groups' hyperparameters, and the
+number of steps taken are compared at every ``optimizer.step()`` of an optimizer set up by a
+strategy (:class:`StepAgreement`, the step chain's ``"agree"`` phase): a 63-bit digest of
+them in one all-reduce of two integers (max of the digest and of its negation: equal on
+every rank only where the digests are). The all-reduce runs while the next step computes
+(a blocking one exposes every rank's wait at each step: up to 40% of a small model's step);
+its answer is read at the next step, which a difference stops on every rank, naming the step
+it was made at. So a difference trains one step, then stops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from metadist.comm import ops
+
+
+@dataclass(frozen=True)
+class Item:
+    """One thing every rank must hold alike: what it is, and its value here (as text)."""
+
+    name: str
+    value: str
+
+
+def module_items(module: nn.Module) -> list[Item]:
+    """The module's parameters and buffers: names, shapes, dtypes, ``requires_grad``."""
+    out = [Item(f"parameter '{n}'", f"shape {tuple(p.shape)}, {p.dtype}, "
+                                    f"requires_grad={p.requires_grad}")
+           for n, p in module.named_parameters()]
+    out += [Item(f"buffer '{n}'", f"shape {tuple(b.shape)}, {b.dtype}")
+            for n, b in module.named_buffers()]
+    return out or [Item("the model's parameters and buffers", "none")]
+
+
+def options_items(strategy: str, options: Any) -> list[Item]:
+    """The strategy's name and every option's value."""
+    from dataclasses import fields
+
+    return [Item("strategy", strategy), *(
+        Item(f"option {f.name}", _text(getattr(options, f.name))) for f in fields(options))]
+
+
+def optimizer_items(optimizer: Optimizer) -> list[Item]:
+    """The optimizer's class and every param group's hyperparameters and parameter shapes."""
+    out = [Item("optimizer", f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"),
+           Item("optimizer param groups", str(len(optimizer.param_groups)))]
+    for i, group in enumerate(optimizer.param_groups):
+        shapes = [tuple(p.shape) for p in group["params"]]
+        out.append(Item(f"param group {i} parameters", f"{len(shapes)} of shapes {shapes}"))
+        out += [Item(f"param group {i} {key}", _text(value)) for key, value in group.items()
+                if key != "params"]
+    return out
+
+
+def loader_items(loader: Any, shards_itself: bool) -> list[Item]:
+    """A data loader's dataset (its length, unless each rank's dataset is its own shard),
+    batch size and sampling."""
+    from collections.abc import Sized
+
+    dataset = loader.dataset
+    out = [Item("dataset", f"{type(dataset).__module__}.{type(dataset).__qualname__}")]
+    if isinstance(dataset, Sized) and not shards_itself:
+        out.append(Item("dataset length", str(len(dataset))))
+    sampler = getattr(loader, "sampler", None)
+    out += [Item("batch_size", repr(loader.batch_size)),
+            Item("drop_last", repr(loader.drop_last)),
+            Item("sampler", type(sampler).__qualname__ if sampler is not None else "none")]
+    return out
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return repr(value.tolist()) if value.numel() <= 16 else (
+            f"tensor of shape {tuple(value.shape)} (sum {float(value.sum()):.17g})")
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, tuple | list):
+        return repr(type(value)(_text(v) for v in value))
+    return repr(value)
+
+
+def agree(what: str, items: Sequence[Item], advice: str) -> None:
+    """Stop every rank unless every rank holds ``items`` alike (``what``: the call being
+    made; ``advice``: what to write instead). One collective; two where ranks differ."""
+    _, size, _ = ops.group_info(None)
+    if size == 1:
+        return
+    text = "\n".join(f"{i.name}\t{i.value}" for i in items).encode()
+    digest = torch.tensor(list(hashlib.sha256(text).digest()), dtype=torch.uint8)
+    device = _device()
+    mine = digest.to(torch.int64).to(device)
+    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
+    ops.all_gather(everyone, mine)
+    rows = everyone.view(size, -1)
+    if bool((rows == rows[0]).all()):
+        return
+    lists = ops.all_gather_object([(i.name, i.value) for i in items])
+    raise ValueError(_difference(what, lists, advice))
+
+
+def _difference(what: str, lists: list[list[tuple[str, str]]], advice: str) -> str:
+    """The first item that differs between rank 0 and another rank, as a message."""
+    first = dict(lists[0])
+    for items in lists[1:]:
+        theirs = dict(items)
+        for name in [*first, *(n for n in theirs if n not in first)]:
+            if first.get(name) != theirs.get(name):
+                here = first.get(name, "nothing (no such item)")
+                there = theirs.get(name, "nothing (no such item)")
+                others = [r for r, other in enumerate(lists)
+                          if dict(other).get(name) == theirs.get(name)]
+                return (f"{what}: the ranks must hold the same {name}, but rank 0 has "
+                        f"{here} and rank{'s' if len(others) > 1 else ''} "
+                        f"{', '.join(map(str, others))} {'have' if len(others) > 1 else 'has'} "
+                        f"{there}. {advice}")
+    return f"{what}: the ranks' descriptions differ in their order. {advice}"
+
+
+def _device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class StepAgreement:
+    """Each step of ``optimizer``: its step count and every param group's hyperparameters,
+    the same on every rank, or every rank stops (module notes). The comparison of a step
+    runs while the next step computes, and is read at the next step, before it changes
+    anything: a difference stops every rank one step after it was made."""
+
+    def __init__(self, optimizer: Optimizer, strategy: str) -> None:
+        self.optimizer, self.strategy, self.steps = optimizer, strategy, 0
+        self._pending: tuple[Any, torch.Tensor, int, list[Item]] | None = None
+
+    def items(self) -> list[Item]:
+        out = [Item("number of optimizer steps", str(self.steps))]
+        for i, group in enumerate(self.optimizer.param_groups):
+            out += [Item(f"param group {i} {key}", _text(value))
+                    for key, value in group.items() if key != "params"]
+        return out
+
+    def __call__(self) -> None:
+        self.check()
+        self.steps += 1
+        if ops.group_info(None)[1] == 1:
+            return
+        items = self.items()
+        text = "\n".join(f"{i.name}\t{i.value}" for i in items).encode()
+        digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device())
+        self._pending = (ops.all_reduce(both, "max", async_op=True), both, self.steps, items)
+
+    def check(self) -> None:
+        """Read the last step's comparison (waits for it); raise on every rank where the
+        ranks differed."""
+        if self._pending is None:
+            return
+        handle, both, step, items = self._pending
+        self._pending = None
+        handle.wait()
+        if int(both[0]) == -int(both[1]):
+            return
+        lists = ops.all_gather_object([(i.name, i.value) for i in items])
+        raise ValueError(_difference(
+            f"optimizer.step() #{step} under {self.strategy!r}", lists,
+            "Every rank must step together with the same hyperparameters: change a learning "
+            "rate (or a scheduler's) on every rank alike, and call optimizer.step() on every "
+            "rank"))

@@ -352,12 +352,12 @@ def _batchnorm_warnings(options: dict[str, Any]) -> list[str]:
             x, y = batch
             return ((self(x) - y) ** 2).mean()
 
-    torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
     data = DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # said once per process, however many engines
+            torch.manual_seed(0)  # a module of its own: one module is set up once
+            module = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
             problem = Net("net", Config(), module, torch.optim.SGD(module.parameters(), lr=0.1),
                           train_data_loader=data)
             Engine([problem], EngineConfig(train_iters=1, strategy="distributed",

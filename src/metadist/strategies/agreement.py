@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -142,8 +143,6 @@ def _difference(what: str, lists: list[list[tuple[str, str]]], advice: str) -> s
 
 
 def _device() -> torch.device:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -175,7 +174,10 @@ class StepAgreement:
         text = "\n".join(f"{i.name}\t{i.value}" for i in items).encode()
         digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
         both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device())
-        self._pending = (ops.all_reduce(both, "max", async_op=True), both, self.steps, items)
+        # control traffic: 16 bytes a step, outside metadist.comm's traffic counters (which
+        # account for the training's collectives); gloo's and NCCL's timeouts bound it
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = (work, both, self.steps, items)
 
     def check(self) -> None:
         """Read the last step's comparison (waits for it); raise on every rank where the

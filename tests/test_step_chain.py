@@ -100,9 +100,9 @@ def _hooked_training(name: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("name", "ranks", "options", "phases"), [
-    ("ddp", 2, {}, ["sync_grads"]),
+    ("ddp", 2, {}, ["agree", "sync_grads"]),
     ("zero2", 3, {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.0005},
-     ["sync_grads", "wait_params", "refresh_params"]),
+     ["agree", "sync_grads", "wait_params", "refresh_params"]),
 ])
 def test_user_hooks_see_synced_grads_and_refreshed_params(
         name: str, ranks: int, options: dict[str, Any], phases: list[str]) -> None:
@@ -159,8 +159,8 @@ def test_overflow_skip_runs_every_phase_in_order() -> None:
     left = [sum(got["before"][i][1] for got in out) for i in range(6)]
     assert [n == 0 for n in left] == [i == 3 for i in range(6)]
     for got in out:
-        assert got["phases"] == ["sync_grads", "wait_params", "unscale", "refresh_params",
-                                 "update_scale"]
+        assert got["phases"] == ["agree", "sync_grads", "wait_params", "unscale",
+                                 "refresh_params", "update_scale"]
         assert [scale for scale, _ in got["before"]] == [1.0] * 6  # unscaled
         # after step(): the scale already updated (backed off at the skipped step)
         assert got["after"] == [(full if i < 3 else full / 2, i == 3) for i in range(6)]

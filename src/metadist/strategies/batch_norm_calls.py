@@ -209,9 +209,9 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         if factor is not None and forward.ledger and not forward.ledger.updates(
                 running_mean, running_var) and _owner_of(running_mean) is forward:
             raise RuntimeError(_unpaired(root, running_mean))
-        return own_batch(forward.ledger, running_mean, running_var, input, factor,
-                         lambda: original(input, None, None, weight, bias, True, momentum,
-                                          eps), lambda: original(*args))
+        return own_batch(forward.ledger, running_mean, running_var, factor,
+                         lambda mean, var, m: original(input, mean, var, weight, bias, True, m,
+                                                       eps), lambda: original(*args))
     if forward.said is True:
         forward.ledger.global_update(running_mean, running_var)
         return global_batch_norm(input, running_mean, running_var, weight, bias, factor, eps,
@@ -248,19 +248,23 @@ def task_ledger(running_mean: Tensor | None, running_var: Tensor | None,
 
 
 def own_batch(ledger: RunningStats, running_mean: Tensor | None, running_var: Tensor | None,
-              input: Tensor, factor: float | None, normalise: Callable[[], Tensor],
+              factor: float | None, normalise: Callable[[Tensor | None, Tensor | None, float],
+                                                        Tensor],
               as_written: Callable[[], Tensor]) -> Tensor:
-    """A normalisation of this rank's batch by its own statistics: ``normalise()`` computes
-    it without touching the running statistics, whose update is recorded for the step
-    (strategies/running_stats.py). ``as_written()``: the call as written, for running
-    statistics that are not the model's."""
+    """A normalisation of this rank's batch by its own statistics, ``normalise(mean, var,
+    momentum)`` (``F.batch_norm`` in training mode on those running statistics), leaving the
+    model's running statistics as they are: it runs on two fresh vectors with momentum 1,
+    which torch's kernel fills with the batch's mean and unbiased variance in the same pass,
+    and the update they make is recorded for the step (strategies/running_stats.py).
+    ``as_written()``: the call as written, for running statistics that are not the model's."""
     if factor is None:
-        return normalise()
+        return normalise(None, None, 0.0)
     if running_mean is None or running_var is None \
             or not ledger.updates(running_mean, running_var):
         return as_written()  # the program's own tensors, not the model's
-    out = normalise()
-    ledger.record(running_mean, running_var, input, factor)
+    mean, var = torch.zeros_like(running_mean), torch.ones_like(running_var)
+    out = normalise(mean, var, 1.0)
+    ledger.record(running_mean, running_var, mean, var, factor)
     return out
 
 

@@ -201,23 +201,18 @@ class RunningStats:
             t is s.count for s in self._slots)
 
     # ----- during forwards ------------------------------------------------------------------
-    def record(self, running_mean: Tensor, running_var: Tensor, x: Tensor,
+    def record(self, running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor,
                factor: float) -> None:
-        """Fold the update a normalisation of ``x`` (channels in dim 1) by its own
-        statistics makes, with update weight ``factor``, into this rank's record."""
+        """Fold the update a normalisation by its own batch's ``mean`` and unbiased ``var``
+        makes, with update weight ``factor``, into this rank's record."""
         slots = [self._slot(running_mean), self._slot(running_var)]
         for slot in slots:
             assert slot is not None
             if slot.global_updates:
                 raise RuntimeError(_mixed(slot.name))
-        dims = [0, *range(2, x.dim())]
-        data = x.detach()
-        if data.dtype not in (torch.float32, torch.float64):
-            data = data.float()
-        var, mean = torch.var_mean(data, dims, correction=1)
         for slot, stats in zip(slots, (mean, var), strict=True):
             assert slot is not None
-            slot.fold(stats.to(torch.float64), factor)
+            slot.fold(stats.detach().to(torch.float64), factor)
 
     def global_update(self, *running: Tensor | None) -> None:
         """Running statistics are being updated from the global batch, the same on every

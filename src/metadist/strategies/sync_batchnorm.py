@@ -87,8 +87,8 @@ class SyncBatchNorm(_BatchNorm):
             task = task_ledger(*running, self.weight, self.bias)
             if task is not None:
                 with own_call():
-                    return own_batch(task, *running, x, factor, lambda: F.batch_norm(
-                        x, None, None, self.weight, self.bias, True, 0.0, self.eps),
+                    return own_batch(task, *running, factor, lambda mean, var, m: F.batch_norm(
+                        x, mean, var, self.weight, self.bias, True, m, self.eps),
                         lambda: F.batch_norm(x, *running, self.weight, self.bias, True,
                                              factor or 0.0, self.eps))
         ledger = ledger_of(self.running_mean)

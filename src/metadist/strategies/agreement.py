@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -195,3 +196,25 @@ class StepAgreement:
             "Every rank must step together with the same hyperparameters: change a learning "
             "rate (or a scheduler's) on every rank alike, and call optimizer.step() on every "
             "rank"))
+
+
+#: each user's module set up, and the strategy that did it: a second setup would build a
+#: second set of gradient hooks, buckets or shards over tensors the first still holds
+_SET_UP: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def mark_set_up(module: nn.Module, strategy: str) -> None:
+    """``module`` (the user's) was set up by ``strategy``."""
+    _SET_UP[module] = strategy
+
+
+def check_not_set_up(module: nn.Module) -> None:
+    """Refuse a second setup of the same module, naming the first."""
+    first = _SET_UP.get(module)
+    if first is not None:
+        raise ValueError(
+            f"this {type(module).__name__} was set up already, by strategy '{first}': a second "
+            "setup would build its own gradient hooks and state over parameters the first "
+            "still holds, and train to other values than one process. Keep using the model "
+            "the first setup returned, or set up a fresh module (copy.deepcopy(net) before "
+            "the first setup)")

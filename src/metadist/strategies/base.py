@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -211,22 +210,6 @@ class StrategyConfig:
         parse_dtype(self.reduce_dtype)
 
 
-#: each user's module set up, and the strategy that did it: a second setup would build a
-#: second set of gradient hooks, buckets or shards over tensors the first still holds
-_SET_UP_MODULES: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def _check_not_set_up(model: nn.Module) -> None:
-    first = _SET_UP_MODULES.get(model)
-    if first is not None:
-        raise ValueError(
-            f"this {type(model).__name__} was set up already, by strategy '{first}': a second "
-            "setup would build its own gradient hooks and state over parameters the first "
-            "still holds, and train to other values than one process. Keep using the model "
-            "the first setup returned, or set up a fresh module (copy.deepcopy(net) before "
-            "the first setup)")
-
-
 class Strategy(ABC):
     """How a training loop runs on many processes. Build one with :func:`metadist.strategy`."""
 
@@ -297,7 +280,7 @@ class Strategy(ABC):
         the set-up model compiled with the same options (see strategies/compile.py)."""
         self.init()
         model, compiled = take_compile(model)
-        _check_not_set_up(model)
+        agreement.check_not_set_up(model)
         agreement.agree(f"setup under {self.name!r}",
                         [*agreement.options_items(self.name, self.config),
                          *agreement.module_items(model)],
@@ -327,7 +310,7 @@ class Strategy(ABC):
             compile_setup(module, compiled)
         if module.split_gradients():  # torch's clip_grad_norm_ & co. must see the parts
             grad_norm.track(module)
-        _SET_UP_MODULES[module.module] = self.name
+        agreement.mark_set_up(module.module, self.name)
         ownership.claim(module.parameters(), self.name, self._optimizer_needed())
         return module
 

@@ -3,8 +3,9 @@
     python -m benchmarks.agreement [--world 2] [--steps 20] [--warmup 3]
                                    [--workloads mlp,small] [--json PATH] [--quick]
 
-At every ``optimizer.step()`` the step count and the param groups' hyperparameters are
-hashed and compared across ranks in one all-reduce of two integers. Each strategy trains two
+At every ``optimizer.step()`` the param groups' hyperparameters (hashed) and the backward
+passes and world collectives since the previous step are compared across ranks in one
+all-gather of three integers a rank, on a gloo group of its own. Each strategy trains two
 copies of the model in the same processes, taking turns step by step (medians, warm-up
 discarded): as shipped, and with the step's agreement left out. ``mlp`` is the ddp/zero
 benchmarks' 25M-parameter MLP (Adam, batch 32 per rank); ``small`` a 2-layer MLP of width

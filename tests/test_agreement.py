@@ -198,3 +198,75 @@ def test_a_learning_rate_changed_on_one_rank_stops_at_the_next_step(strategy: st
     assert run_on_ranks(_train, 2, args=(strategy, "none")) == ["trained; lr 0.0125"] * 2
     for message in run_on_ranks(_train, 2, args=(strategy, "lr")):
         assert "param group 0 lr, but rank 0 has 0.05 and rank 1 has 0.3" in message, message
+
+
+def _diverge(strategy: str, change: str) -> str:
+    """Rank 1 skips optimizer.step() #4, or runs a second backward before it."""
+    w = metadist.world()
+    net = _net()
+    s = metadist.strategy(strategy, **OPTIONS[strategy])
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    for step in range(6):
+        opt.zero_grad()
+        s.backward(model(torch.randn(8, 4)).square().mean())
+        if change == "twice" and step == 3 and w.rank == 1:
+            s.backward(model(torch.randn(8, 4)).square().mean())
+        if change == "skip" and step == 3 and w.rank == 1:
+            continue
+        opt.step()
+    return "trained"
+
+
+@pytest.mark.parametrize("change", ["skip", "twice"])
+def test_a_skipped_step_or_an_extra_backward_under_ddp_stops_naming_it(change: str) -> None:
+    """Before: a skipped step trained on with the replicas 0.15 apart (exit 0), then aborted
+    in gloo once the step agreement ran on the world group; an extra backward paired its
+    all-reduce with the other rank's next step and aborted."""
+    with pytest.raises(metadist.RankFailedError) as info:
+        run_on_ranks(_diverge, 2, args=("ddp", change))
+    text = str(info.value)
+    assert "optimizer.step() #4 under 'ddp': the ranks must have made the same number of " \
+           "backward passes since optimizer.step() #3, but rank 0 made 1 and rank 1 made 2" \
+           in text, text
+    assert "a rank that skips a step or runs an extra backward" in text
+    assert run_on_ranks(_diverge, 2, args=("ddp", "none")) == ["trained"] * 2
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_a_skipped_step_under_zero_is_named_a_diverged_program(strategy: str) -> None:
+    """zero2/zero3's step gathers parameters, which a rank that skipped it pairs with its
+    next backward's reductions: the watchdog names the rank past that call number with
+    another operation. Before: "every rank entered it, yet it did not complete (a backend or
+    network problem ...)"."""
+    with pytest.raises(metadist.RankFailedError) as info:
+        metadist.launch(_diverge, 2, args=(strategy, "skip"), timeout=120,
+                        collective_timeout=3)
+    text = str(info.value)
+    assert "instead: the ranks' programs diverged" in text, text
+    assert "backend or network problem" not in text
+
+
+def _save_diverged(path: str) -> str:
+    s = metadist.strategy("ddp")
+    net = _net()
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    opt.zero_grad()
+    s.backward(model(torch.randn(4, 4)).square().mean())
+    opt.step()
+    if metadist.world().rank == 1:
+        with torch.no_grad():  # a change of one rank's replica outside the optimizer
+            model.module[2].weight.add_(1.0)
+    try:
+        s.save(path, {"model": model, "optimizer": opt})
+    except metadist.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_a_save_of_replicas_that_diverged_is_refused(tmp_path: Path) -> None:
+    """Before: the sharded checkpoint held '0.weight' from rank 0 and '2.weight' from rank 1,
+    matching neither replica."""
+    for message in run_on_ranks(_save_diverged, 2, args=(str(tmp_path / "ckpt"),)):
+        assert "['2.weight'] must be equal on every rank under 'ddp'" in message, message
+        assert "rank 1's differs from rank 0's" in message
+    assert not (tmp_path / "ckpt" / "metadata.json").exists()

@@ -20,7 +20,7 @@ from metadist.comm import debug
 from metadist.errors import CollectiveMismatchError, RankFailedError, RendezvousError
 from metadist.runtime import failures, rendezvous, watchdog
 from metadist.runtime.env import detect
-from metadist.runtime.progress import Progress, explain
+from metadist.runtime.progress import Progress, Published, explain
 from metadist.runtime.spawn import free_port
 from metadist.runtime.tracker import CollectiveCall, GroupInfo, compact_ranks, configure_debug
 from metadist.testing import is_loopback_address, listening_addresses, run_on_ranks
@@ -313,6 +313,22 @@ def test_missing_ranks_are_named_compactly() -> None:
     text, stuck = explain(entry, None, 0, Progress(None, "127.0.0.1:1", host_rank=3))
     assert "rank 3 did not arrive and cannot be asked: the store its process hosts" in text
     assert stuck == (3,)
+
+
+def test_a_rank_past_the_stuck_call_is_named_as_a_diverged_program() -> None:
+    """A rank that ran this call number as another op and went on (its async reductions
+    issued further) published its recent ops: it is named as diverged, not as a network
+    problem. One past by more than it kept is named as past the call."""
+    entry = CollectiveCall(GroupInfo("0", (0, 1, 2, 3), "the world group"), 18, "broadcast")
+    states = {1: Published(20, "reduce", ("reduce", "reduce", "broadcast")),
+              2: Published(19, "broadcast", ("broadcast",)),
+              3: Published(60, "all_reduce", ("all_reduce",) * 15)}
+    text, missing = explain(entry, states, 0, Progress(None, "here"))
+    assert "rank 1 entered reduce as #18 instead: the ranks' programs diverged" in text
+    assert "rank 2" not in text  # it entered broadcast #18 too
+    assert "rank 3 is already past this call (at #60 all_reduce) while it never completed " \
+           "here: the ranks' programs diverged" in text
+    assert "backend or network" not in text and missing == ()
 
 
 def _failure(code: int, message: object, timestamp: int = 100) -> SimpleNamespace:

@@ -272,3 +272,81 @@ def test_a_mode_the_device_cannot_run_says_so() -> None:
     with pytest.raises(RuntimeError, match=r"'bf16-mixed' needs torch\.bfloat16 autocast on "
                                            "'cuda'"):
         Precision("bf16-mixed", "cuda").check()
+
+
+# ----- 16-mixed overflows where one process does -----------------------------------------
+# The FairScale seed program's model (dropout 0): 32 -> 128 -> 32 -> 1, MSE, SGD, global
+# batch 12, targets +-4 so the output's scaled gradient (scale 2^16) is about 4.5e4 per
+# sample in one process: below float16's 65504, while a rank's local mean at the full scale
+# would be N times that.
+
+def _seed_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Dropout(p=0.0),
+                               torch.nn.Linear(128, 32), torch.nn.Linear(32, 1))
+
+
+def _seed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    sign = torch.tensor([1.0, -1.0] * 6).view(12, 1)
+    return [(torch.randn(12, 32, generator=g) * 0.1,
+             4.0 * sign + 0.1 * torch.randn(12, 1, generator=g)) for _ in range(10)]
+
+
+def _grad_scaler_reference() -> tuple[dict[str, torch.Tensor], list[bool], float]:
+    """One process: fp16 autocast + torch's GradScaler on the global batches."""
+    net = _seed_net()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    skipped, largest = [], 0.0
+    for x, y in _seed_batches():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = net(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)
+        scaled = scaler.scale(loss)
+        (grad_out,) = torch.autograd.grad(scaled, out, retain_graph=True)
+        largest = max(largest, float(grad_out.abs().max()))
+        scaled.backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+    return {n: p.detach().clone() for n, p in net.named_parameters()}, skipped, largest
+
+
+def _seed_run(strategy: str) -> tuple[dict[str, torch.Tensor], list[bool], float]:
+    w = metadist.world()
+    s = metadist.strategy(strategy, precision="16-mixed",
+                          **({"min_unit_params": 40} if strategy == "zero3" else {}))
+    net = _seed_net()
+    model, opt = s.setup(net, torch.optim.SGD(net.parameters(), lr=1e-3))
+    assert s.scaler is not None
+    skipped = []
+    for x, y in _seed_batches():
+        opt.zero_grad()
+        out = model(shard(x, w.rank, w.world_size))
+        s.backward(torch.nn.functional.mse_loss(out.float(), shard(y, w.rank, w.world_size)))
+        opt.step()
+        skipped.append(s.scaler.last_step_skipped)
+    return dict(model.state_dict()), skipped, s.scaler.scale_value
+
+
+@pytest.mark.parametrize(("strategy", "ranks"), [("ddp", 2), ("ddp", 3), ("zero2", 3),
+                                                 ("zero3", 2)])
+def test_16_mixed_overflows_where_one_process_with_grad_scaler_does(strategy: str,
+                                                                    ranks: int) -> None:
+    """Before: each rank backpropagated its local mean at the full scale, overflowed at step
+    1 (and 2 at 3 ranks), skipped it and ended 0.38 (0.50) off one process. Now each rank's
+    loss carries the scale times its share of the batch and the reducers sum."""
+    want, want_skipped, largest = _grad_scaler_reference()
+    assert 65504 / 2 < largest < 65504  # the test's premise: N times this overflows
+    for params, skipped, scale in run_on_ranks(_seed_run, ranks, args=(strategy,)):
+        assert skipped == want_skipped == [False] * 10
+        assert scale == 2.0**16
+        # the same float16 products, summed per rank then across ranks: a few float16
+        # roundoffs (measured 3.6e-4)
+        init = dict(_seed_net().named_parameters())
+        num = sum(float(((params[n].float() - want[n]) ** 2).sum()) for n in want)
+        den = sum(float(((want[n] - init[n].detach()) ** 2).sum()) for n in want)
+        assert (num / den) ** 0.5 < TOLERANCE["16-mixed"]

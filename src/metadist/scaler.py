@@ -82,9 +82,11 @@ class LossScaler:
         self._factors: dict[tuple[torch.device, float], torch.Tensor] = {}
 
     # ----- the step ----------------------------------------------------------------------
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+    def scale(self, loss: torch.Tensor, share: float = 1.0) -> torch.Tensor:
+        """``loss`` times the scale (and ``share``, this rank's part of the global batch
+        where the reducers sum: one factor, one rounding)."""
         self._scaled = True
-        return loss * self.scale_value
+        return loss * (self.scale_value * share)
 
     def current_scale(self) -> float:
         """The factor gradients carry right now (1.0 once unscaled)."""

@@ -8,6 +8,9 @@
   are cut into one equal range per rank, smaller ones go whole to the least-loaded rank.
   Every rank computes the same assignment from the same tensor order: no communication.
 * hsdp shards exist once per replica group: flat ``j`` is written by replica ``j % replicas``.
+* Replicas must be equal: every rank checksums every replicated tensor, and rank 0 refuses
+  the commit where two ranks' differ (the ranks' training diverged; a checkpoint would hold
+  pieces of different replicas).
 * Buffers are written by rank 0: ranks may hold different running statistics between ddp's
   broadcasts, and rank 0's are the ones every rank adopts (as in the full format).
 
@@ -33,7 +36,7 @@ from metadist.checkpoint.entries import (
     plain_copy,
 )
 from metadist.checkpoint.index import EntryMeta
-from metadist.checkpoint.pieces import Slice, TensorInfo
+from metadist.checkpoint.pieces import Slice, TensorInfo, checksum
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import (
     ModulePlacement,
@@ -69,6 +72,9 @@ class Capture:
     param_groups: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     stateful: dict[str, Any] = field(default_factory=dict)
     plain: dict[str, Any] = field(default_factory=dict)
+    #: every replicated tensor's checksum on this rank: the ranks' replicas must be equal,
+    #: or the checkpoint would hold pieces of different ones (compared before the commit)
+    replicas: dict[Key, int] = field(default_factory=dict)
     _load: list[int] = field(default_factory=list)  # bytes each rank writes of replicas
 
     def __post_init__(self) -> None:
@@ -116,7 +122,10 @@ class Capture:
         info = TensorInfo(placement.shape, placement.dtype)
         match placement.writer:
             case "spread":
-                self._replicated(key, info, held(placement.parts[0]))
+                flat = held(placement.parts[0])
+                if self.world_size > 1:
+                    self.replicas[key] = checksum(flat)
+                self._replicated(key, info, flat)
             case "rank0" if self.rank == 0:
                 self.slices.append(Slice(key, info, 0, info.numel, held(placement.parts[0])))
             case "holder":

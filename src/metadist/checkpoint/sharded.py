@@ -30,7 +30,7 @@ from metadist.checkpoint.agree import Failure, announce, failure
 from metadist.checkpoint.atomic import durable_file, fsync_dir, remove_tree, write_atomic
 from metadist.checkpoint.capture import Capture, capture
 from metadist.checkpoint.digest import seal_json
-from metadist.checkpoint.entries import Entry
+from metadist.checkpoint.entries import Entry, describe
 from metadist.checkpoint.errors import CheckpointError
 from metadist.checkpoint.index import DATA_PREFIX, MARKER, OBJECTS, encode, rank_file
 from metadist.checkpoint.pieces import PieceRecord, Slice, write_slices
@@ -57,7 +57,8 @@ def save_sharded(path: Path, entries: list[Entry], version: str, *, rank: int, w
     """Collective: write ``entries`` into ``path / version`` and commit (module docstring)."""
     data = path / version
     mine: Failure | None = None
-    report: tuple[list[PieceRecord], dict[Any, Any], dict[str, Any], int] | None = None
+    report: tuple[list[PieceRecord], dict[Any, Any], dict[str, Any], int,
+                  dict[Any, int]] | None = None
     ours: Capture | None = None
     try:
         if not data.is_dir():
@@ -67,7 +68,7 @@ def save_sharded(path: Path, entries: list[Entry], version: str, *, rank: int, w
         ours = capture(entries, rank, world_size)
         target = data / rank_file(rank)
         records = write_rank_file(target, ours.slices)
-        report = (records, ours.values, rng.capture(), target.stat().st_size)
+        report = (records, ours.values, rng.capture(), target.stat().st_size, ours.replicas)
     except Exception as exc:
         mine = failure(exc)
     reports = ops.gather_object((mine, report), 0)
@@ -76,6 +77,8 @@ def save_sharded(path: Path, entries: list[Entry], version: str, *, rank: int, w
         failed = [(r, f) for r, (f, _) in enumerate(reports) if f is not None]
         if failed:
             found = failed[0]
+        elif (differ := _differing_replicas([r for _, r in reports], strategy)) is not None:
+            found = differ
         else:
             try:
                 assert ours is not None
@@ -87,6 +90,23 @@ def save_sharded(path: Path, entries: list[Entry], version: str, *, rank: int, w
     announce(found, f"saving checkpoint {path}", world_size)
 
 
+def _differing_replicas(reports: list[Any], strategy: str) -> tuple[int, Failure] | None:
+    """The first rank whose replica of a replicated tensor differs from rank 0's, as a
+    failure of that rank (None: every replica is equal)."""
+    first = reports[0][4]
+    for rank, report in enumerate(reports[1:], 1):
+        for key, crc in report[4].items():
+            if first.get(key) != crc:
+                return rank, (CheckpointError.__name__, (
+                    f"{describe(key)} must be equal on every rank under '{strategy}' (each "
+                    f"holds a replica), but rank {rank}'s differs from rank 0's: the ranks' "
+                    "training diverged (a rank that changed parameters or optimizer state by "
+                    "itself, outside the optimizer's step, or stepped with other gradients). "
+                    "Nothing was saved, so a checkpoint never mixes pieces of different "
+                    "replicas; make every rank apply the same updates"))
+    return None
+
+
 def _commit(path: Path, version: str, ours: Capture, reports: list[Any], world_size: int,
             strategy: str) -> None:
     """Rank 0: objects, then the marker (the commit), then clean up older versions."""
@@ -94,7 +114,7 @@ def _commit(path: Path, version: str, ours: Capture, reports: list[Any], world_s
     records: list[PieceRecord] = []
     values: dict[Any, Any] = {}
     rngs, files = [], {}
-    for rank, (rank_records, rank_values, rank_rng, size) in enumerate(reports):
+    for rank, (rank_records, rank_values, rank_rng, size, _) in enumerate(reports):
         records += rank_records
         values.update(rank_values)
         rngs.append(rank_rng)

@@ -34,7 +34,7 @@ REDUCE_OPS: tuple[str, ...] = ("sum", "mean", "max", "min", "prod")
 Impl = Literal["auto", "native"]
 
 # torch 2.13 renamed the single-tensor variants; older releases only have the former names.
-_all_gather_single: Callable[..., Any] = (
+all_gather_single: Callable[..., Any] = (
     getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 )
 _reduce_scatter_single: Callable[..., Any] = (
@@ -127,7 +127,7 @@ def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSp
         where = specs[0][0].device if specs else _world.world().device
         try:
             debug.check(entry, pg, size, dist.get_rank(), specs, reduce, root, where,
-                        _all_gather_single)
+                        all_gather_single)
         except BaseException as exc:
             _reraise(entry, exc)
     return entry
@@ -261,7 +261,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, group: Group = None
                         for r, c in enumerate(chunks)]
     else:
         def call(pg: dist.ProcessGroup) -> list[Any]:
-            return [_all_gather_single(output, input, group=pg, async_op=True)]
+            return [all_gather_single(output, input, group=pg, async_op=True)]
     return _launch("all_gather", group, [output, input], _nbytes(output), call, async_op,
                    output, agree=[(input, True)], checked=True) or Handle(output)
 

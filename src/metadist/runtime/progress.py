@@ -2,9 +2,11 @@
 
 Keys, under a per-job prefix:
 
-``g/<group>/r<rank>``  ``"<seq> <op>"``: the last collective this rank entered on the group.
-                      Written by the watchdog thread once a collective has waited a while,
-                      never on the hot path.
+``g/<group>/r<rank>``  ``"<seq> <op>"``: the last collective this rank entered on the group,
+                      then the ops of the ones before it (a line each, newest first), so a
+                      rank stuck in an earlier call number can see what this rank ran under
+                      it. Written by the watchdog thread once a collective has waited a
+                      while, never on the hot path.
 ``abort``             JSON: the first rank whose collective timed out, and which one.
 ``reported``          that rank has read everyone's progress, so the others may exit (under
                       ``launch``, mpirun and srun, rank 0's process hosts the store).
@@ -23,9 +25,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from metadist.runtime.bounded_store import BoundedStore, StoreLostError
 from metadist.runtime.tracker import CollectiveCall, compact_ranks
@@ -42,6 +44,24 @@ class AbortRecord:
     label: str
     seq: int
     op: str
+
+
+class Published(NamedTuple):
+    """What a rank published for a group: its last call number and op, and the ops it
+    entered before that (newest first)."""
+
+    seq: int
+    op: str
+    before: tuple[str, ...] = ()
+
+
+def op_at(state: tuple[int, str] | Published, seq: int) -> str | None:
+    """The op a rank that published ``state`` entered as call ``seq`` (None: not known)."""
+    if seq == state[0]:
+        return state[1]
+    before = state.before if isinstance(state, Published) else ()
+    back = state[0] - seq - 1
+    return before[back] if 0 <= back < len(before) else None
 
 
 class Progress:
@@ -71,19 +91,22 @@ class Progress:
                 self.error = str(exc)
             return default
 
-    def publish(self, group: str, rank: int, seq: int, op: str) -> None:
-        self._call(lambda s: s.set(f"g/{group}/r{rank}", f"{seq} {op}"), None)
+    def publish(self, group: str, rank: int, seq: int, op: str,
+                before: tuple[str, ...] = ()) -> None:
+        text = "\n".join((f"{seq} {op}", *before))
+        self._call(lambda s: s.set(f"g/{group}/r{rank}", text), None)
 
-    def read(self, group: str, ranks: tuple[int, ...]) -> dict[int, tuple[int, str] | None] | None:
-        """Each rank's last published ``(seq, op)`` on ``group`` (None: nothing published);
-        None when the store cannot be read."""
-        def get(s: Any) -> dict[int, tuple[int, str] | None]:
-            out: dict[int, tuple[int, str] | None] = {}
+    def read(self, group: str, ranks: tuple[int, ...]) -> dict[int, Published | None] | None:
+        """What each rank published on ``group`` (None: nothing published); None when the
+        store cannot be read."""
+        def get(s: Any) -> dict[int, Published | None]:
+            out: dict[int, Published | None] = {}
             for r in ranks:
                 key = f"g/{group}/r{r}"
                 if s.check([key]):
-                    seq, _, op = s.get(key).decode().partition(" ")
-                    out[r] = (int(seq), op)
+                    last, *before = s.get(key).decode().split("\n")
+                    seq, _, op = last.partition(" ")
+                    out[r] = Published(int(seq), op, tuple(before))
                 else:
                     out[r] = None
             return out
@@ -147,7 +170,8 @@ def _unpublished(entry: CollectiveCall, me: int, count: int) -> str:
             f"{reached}")
 
 
-def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | None, me: int,
+def explain(entry: CollectiveCall,
+            states: Mapping[int, tuple[int, str] | Published | None] | None, me: int,
             progress: Progress) -> tuple[str, tuple[int, ...]]:
     """Which ranks did not arrive at ``entry`` (or entered something else instead), in words,
     and the missing ranks."""
@@ -160,6 +184,7 @@ def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | N
                 "ranks did not arrive cannot be asked"), ()
     behind: dict[tuple[int, str] | None, list[int]] = {}
     diverged: dict[str, list[int]] = {}
+    past: dict[tuple[int, str], list[int]] = {}
     gone = progress.left(entry.group.ranks)
     departed: list[int] = []
     parts = []
@@ -175,9 +200,12 @@ def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | N
                          "program ended without an error): its program skipped this collective "
                          "or stopped early")
         elif state is None or state[0] < entry.seq:
-            behind.setdefault(state if state and state[0] > 0 else None, []).append(r)
-        elif state[0] == entry.seq and state[1] != entry.op:
-            diverged.setdefault(state[1], []).append(r)
+            behind.setdefault((state[0], state[1]) if state and state[0] > 0 else None,
+                              []).append(r)
+        elif (theirs := op_at(state, entry.seq)) is None:  # past it, by more than it kept
+            past.setdefault((state[0], state[1]), []).append(r)
+        elif theirs != entry.op:
+            diverged.setdefault(theirs, []).append(r)
     for state, ranks in sorted(behind.items(), key=lambda kv: kv[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
         if state:
@@ -191,6 +219,12 @@ def explain(entry: CollectiveCall, states: dict[int, tuple[int, str] | None] | N
         parts.append(f"{who} entered {op} as #{entry.seq} instead: the ranks' programs diverged "
                      "(a skipped, extra or reordered collective; METADIST_DEBUG=1 stops at the "
                      "first differing call)")
+    for (seq, op), ranks in sorted(past.items(), key=lambda kv: kv[1][0]):
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
+        parts.append(f"{who} {'is' if len(ranks) == 1 else 'are'} already past this call (at "
+                     f"#{seq} {op}) while it never completed here: the ranks' programs "
+                     "diverged (a skipped, extra or reordered collective made them pair "
+                     "different calls; METADIST_DEBUG=1 stops at the first differing call)")
     if not parts:
         parts.append("every rank entered it, yet it did not complete (a backend or network "
                      "problem; NCCL_DEBUG=INFO or GLOO_SOCKET_IFNAME may help)")

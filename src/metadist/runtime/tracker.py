@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,13 +66,19 @@ class CollectiveCall:
         return works is not None and all(w.is_completed() for w in works)
 
 
+#: how many of a group's latest collectives a rank keeps, to tell a peer which one it ran
+#: under a call number the peer is stuck in (a rank already past it)
+RECENT = 16
+
+
 class _GroupState:
-    __slots__ = ("info", "op", "seq")
+    __slots__ = ("info", "op", "recent", "seq")
 
     def __init__(self, info: GroupInfo) -> None:
         self.info = info
         self.seq = 0
         self.op = ""
+        self.recent: deque[str] = deque(maxlen=RECENT)  # the latest ops, newest last
 
 
 def _describe(pg: Any) -> GroupInfo:
@@ -113,6 +120,7 @@ class Tracker:
         with self._lock:
             state.seq += 1
             state.op = op
+            state.recent.append(op)
             entry = CollectiveCall(state.info, state.seq, op, device)
             self._pending.add(entry)
         self.last_active = entry.start
@@ -160,10 +168,17 @@ class Tracker:
                 self._pending.difference_update(done)
         return sorted((e for e in pending if not e.completed()), key=lambda e: e.start)
 
-    def progress(self) -> list[tuple[GroupInfo, int, str]]:
-        """``(group, last sequence number entered, its op)`` for every group used so far."""
+    def progress(self) -> list[tuple[GroupInfo, int, str, tuple[str, ...]]]:
+        """``(group, last sequence number entered, its op, the latest ops entered, newest
+        last)`` for every group used so far."""
         with self._lock:
-            return [(s.info, s.seq, s.op) for s in self._groups.values() if s.seq]
+            return [(s.info, s.seq, s.op, tuple(s.recent)) for s in self._groups.values()
+                    if s.seq]
+
+    def seq(self, pg: Any) -> int:
+        """How many collectives this process has entered on ``pg``."""
+        state = self._groups.get(pg)
+        return 0 if state is None else state.seq
 
     def reset(self) -> None:
         """Forget every group (after shutdown, or in a forked child)."""

@@ -188,9 +188,9 @@ class Watchdog:
 
     def publish(self, force: bool = False) -> None:
         """Put this rank's last collective per group in the store (when it changed)."""
-        for group, seq, op in TRACKER.progress():
+        for group, seq, op, recent in TRACKER.progress():
             if force or self._published.get(group.name) != seq:
-                self.progress.publish(group.name, self.rank, seq, op)
+                self.progress.publish(group.name, self.rank, seq, op, recent[-2::-1])
                 self._published[group.name] = seq
 
     def _stack(self) -> tuple[str, str]:

@@ -12,14 +12,18 @@ Where the digests differ, a second collective brings every rank's items, and eve
 stops with the same error naming the first item that differs, the ranks and both values.
 
 [Note: during training]
-What a program or a scheduler changes later, the param groups' hyperparameters, and the
-number of steps taken are compared at every ``optimizer.step()`` of an optimizer set up by a
-strategy (:class:`StepAgreement`, the step chain's ``"agree"`` phase): a 63-bit digest of
-them in one all-reduce of two integers (max of the digest and of its negation: equal on
-every rank only where the digests are). The all-reduce runs while the next step computes
-(a blocking one exposes every rank's wait at each step: up to 40% of a small model's step);
-its answer is read at the next step, which a difference stops on every rank, naming the step
-it was made at. So a difference trains one step, then stops.
+What a program or a scheduler changes later (the param groups' hyperparameters), the
+number of steps taken, and the backward passes and collectives on the world group since the
+previous step are compared at every ``optimizer.step()`` of an optimizer set up by a
+strategy (:class:`StepAgreement`, the step chain's ``"agree"`` phase): each rank's three
+integers (a 63-bit digest of the hyperparameters and the two counts) in one all-gather on
+a gloo group of its own, so that it never pairs with a training collective of a rank whose
+program went another way. The all-gather runs while the next step computes (a blocking one
+exposes every rank's wait at each step: up to 40% of a small model's step); its answer is
+read at the next step, which a difference stops on every rank, naming the count or the
+hyperparameter and the step it was made at. So a difference trains one step, then stops: a
+rank that skipped a step or ran an extra backward is named by its counts, without a second
+collective (its training collectives no longer pair).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from metadist.comm import ops
+from metadist.runtime.tracker import TRACKER
 
 
 @dataclass(frozen=True)
@@ -149,18 +154,54 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
+#: backward passes that reduced gradients, in this process (strategies count them where a
+#: backward's reduction ends): compared between steps
+_BACKWARDS = [0]
+
+
+def count_backward() -> None:
+    """A backward pass of a set-up model reduced its gradients."""
+    _BACKWARDS[0] += 1
+
+
+class _Control:
+    """A gloo group of the whole world for the step agreement: its collective can never pair
+    with a training collective of a rank whose program went another way (a skipped step or
+    an extra backward), which on the world group aborts in native code or hangs."""
+
+    world: Any = None
+    group: Any = None
+
+    @classmethod
+    def get(cls) -> Any:
+        world = dist.group.WORLD
+        if cls.world is not world:  # built once per world, by every rank (setup_optimizer)
+            from datetime import timedelta
+
+            from metadist.runtime import watchdog
+
+            limit = timedelta(seconds=watchdog.current_timeout())
+            cls.world, cls.group = world, dist.new_group(backend="gloo", timeout=limit)
+        return cls.group
+
+
 class StepAgreement:
-    """Each step of ``optimizer``: its step count and every param group's hyperparameters,
-    the same on every rank, or every rank stops (module notes). The comparison of a step
-    runs while the next step computes, and is read at the next step, before it changes
-    anything: a difference stops every rank one step after it was made."""
+    """Each step of ``optimizer``: its step count, the backward passes and world collectives
+    since the previous step, and every param group's hyperparameters, the same on every
+    rank, or every rank stops (module notes). The comparison of a step runs while the next
+    step computes, and is read at the next step, before it changes anything: a difference
+    stops every rank one step after it was made."""
 
     def __init__(self, optimizer: Optimizer, strategy: str) -> None:
         self.optimizer, self.strategy, self.steps = optimizer, strategy, 0
+        self._group = _Control.get()
+        self._size = dist.get_world_size(self._group)
+        self._since = (_BACKWARDS[0], TRACKER.seq(dist.group.WORLD))
         self._pending: tuple[Any, torch.Tensor, int, list[Item]] | None = None
 
     def items(self) -> list[Item]:
-        out = [Item("number of optimizer steps", str(self.steps))]
+        """The hyperparameters (compared as a digest; named where they differ)."""
+        out: list[Item] = []
         for i, group in enumerate(self.optimizer.param_groups):
             out += [Item(f"param group {i} {key}", _text(value))
                     for key, value in group.items() if key != "params"]
@@ -169,33 +210,66 @@ class StepAgreement:
     def __call__(self) -> None:
         self.check()
         self.steps += 1
-        if ops.group_info(None)[1] == 1:
-            return
         items = self.items()
         text = "\n".join(f"{i.name}\t{i.value}" for i in items).encode()
         digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device())
-        # control traffic: 16 bytes a step, outside metadist.comm's traffic counters (which
-        # account for the training's collectives); gloo's and NCCL's timeouts bound it
-        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending = (work, both, self.steps, items)
+        now = (_BACKWARDS[0], TRACKER.seq(dist.group.WORLD))
+        mine = torch.tensor([digest, now[0] - self._since[0], now[1] - self._since[1]],
+                            dtype=torch.int64)
+        self._since = now
+        everyone = torch.empty(self._size * mine.numel(), dtype=torch.int64)
+        # control traffic on its own group: 24 bytes a rank a step, outside metadist.comm's
+        # counters (which account for the training's collectives); bounded by its timeout
+        work = ops.all_gather_single(everyone, mine, group=self._group, async_op=True)
+        self._pending = (work, everyone, self.steps, items)
 
     def check(self) -> None:
         """Read the last step's comparison (waits for it); raise on every rank where the
         ranks differed."""
         if self._pending is None:
             return
-        handle, both, step, items = self._pending
+        handle, everyone, step, items = self._pending
         self._pending = None
-        handle.wait()
-        if int(both[0]) == -int(both[1]):
+        what = f"optimizer.step() #{step} under {self.strategy!r}"
+        try:
+            handle.wait()
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{what}: the ranks' comparison of this step did not complete ({exc}); a rank "
+                f"did not reach its step #{step}: it skipped optimizer.step() calls, or "
+                "stopped. Call optimizer.step() on every rank alike") from exc
+        rows = everyone.view(self._size, -1)
+        if bool((rows == rows[0]).all()):
             return
-        lists = ops.all_gather_object([(i.name, i.value) for i in items])
+        counted = _counts(rows, step)
+        if counted is not None:
+            raise ValueError(f"{what}: {counted}. Every rank must run the same backward passes "
+                             "and call optimizer.step() together: a rank that skips a step or "
+                             "runs an extra backward pairs its gradient reductions with "
+                             "another rank's next ones")
+        lists: list[Any] = [None] * self._size
+        dist.all_gather_object(lists, [(i.name, i.value) for i in items], group=self._group)
         raise ValueError(_difference(
-            f"optimizer.step() #{step} under {self.strategy!r}", lists,
+            what, lists,
             "Every rank must step together with the same hyperparameters: change a learning "
             "rate (or a scheduler's) on every rank alike, and call optimizer.step() on every "
             "rank"))
+
+
+def _counts(rows: torch.Tensor, step: int) -> str | None:
+    """The count that differs between ranks (backward passes, collectives), in words;
+    None when only the hyperparameters differ."""
+    since = f"since optimizer.step() #{step - 1}" if step > 1 else "before the first step"
+    for column, noun in ((1, f"backward passes {since}"),
+                         (2, f"collectives on the world group {since}")):
+        values = rows[:, column].tolist()
+        if len(set(values)) > 1:
+            other = next(r for r, v in enumerate(values) if v != values[0])
+            same = [r for r, v in enumerate(values) if v == values[other]]
+            who = f"rank{'s' if len(same) > 1 else ''} {', '.join(map(str, same))}"
+            return (f"the ranks must have made the same number of {noun}, but rank 0 made "
+                    f"{values[0]} and {who} made {values[other]}")
+    return None
 
 
 #: each user's module set up, and the strategy that did it: a second setup would build a

@@ -226,6 +226,7 @@ class Strategy(ABC):
         self.scaler: LossScaler | None = (LossScaler() if config.precision == "16-mixed"
                                           else None)
         self._backward_checked = False
+        self._share_in_loss = False  # this backward's loss carries the rank's batch share
 
     @property
     def precision(self) -> Precision:
@@ -406,6 +407,11 @@ class Strategy(ABC):
         local, total = self._batch_weight
         return local / total
 
+    def reduce_factor(self) -> float:
+        """Factor the gradient reducers apply to this rank's gradients before summing them:
+        :meth:`grad_scale`, or 1 while a 16-mixed backward's loss carries it already."""
+        return 1.0 if self._share_in_loss else self.grad_scale()
+
     def batch_share(self) -> float:
         """This rank's share of the global batch relative to an even split: exactly 1.0
         where the ranks hold as many samples each, 0 for a stand-in batch."""
@@ -426,9 +432,22 @@ class Strategy(ABC):
             if self.init().world_size > 1:
                 ownership.check_backward(loss, kwargs.get("inputs"), self.name)
             self._backward_checked = True
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(*args, **kwargs)
+        share = self.grad_scale()
+        if self.scaler is None or share == 0.0:  # a stand-in batch: the reducer zeroes it
+            if self.scaler is not None:
+                loss = self.scaler.scale(loss)
+            loss.backward(*args, **kwargs)
+            return
+        # [Note: 16-mixed scales by the share] The loss carries the scale times this rank's
+        # share of the global batch and the reducers sum: float16 then holds each sample's
+        # gradient at the magnitude one process's global-batch backward gives it, so it
+        # overflows where one process's does (a local mean at the full scale is N times
+        # larger, and overflows first).
+        self._share_in_loss = True
+        try:
+            self.scaler.scale(loss, share).backward(*args, **kwargs)
+        finally:
+            self._share_in_loss = False
 
     @contextmanager
     def no_sync(self, module: DistributedModule) -> Iterator[None]:

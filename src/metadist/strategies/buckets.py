@@ -38,6 +38,7 @@ from torch import nn
 from metadist.comm import ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import Group
+from metadist.strategies import agreement
 from metadist.strategies.elsewhere import ElsewhereGrad, held_grad
 
 
@@ -216,6 +217,7 @@ class Reducer:
     def _end_of_backward(self) -> None:
         if self._state is not _State.RUNNING:
             return
+        agreement.count_backward()
         self._launch_in_order(everything=True)
         self._finish()
 

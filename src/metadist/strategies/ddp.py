@@ -107,7 +107,7 @@ class DDPStrategy(Strategy):
         trainable = [p for p in model.parameters() if p.requires_grad]
         reducer = None
         if self.world.world_size > 1:
-            reducer = Reducer(trainable, scale=self.grad_scale,
+            reducer = Reducer(trainable, scale=self.reduce_factor,
                               bucket_cap_mb=self.config.bucket_cap_mb,
                               first_bucket_mb=self.config.first_bucket_mb,
                               reduce_dtype=self.reduce_dtype)

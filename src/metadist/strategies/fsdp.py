@@ -452,7 +452,7 @@ class Zero3Strategy(Strategy):
             flats.append(FlatParam(
                 slots, originals, group=group, replicate_group=replicate, device=self.device,
                 offload=self.config.cpu_offload, param_dtype=parse_dtype(self.config.param_dtype),
-                reduce_dtype=self.reduce_dtype, scale=self.grad_scale,
+                reduce_dtype=self.reduce_dtype, scale=self.reduce_factor,
                 coordinator=coordinator))
             for index, (slot, p) in enumerate(zip(slots, originals, strict=True)):
                 placeholder = Placeholder(slot.fqn, slot.shape, p.dtype, (flats[-1], index),

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from metadist.strategies import agreement
 from metadist.strategies.backward_holds import BackwardHolds
 from metadist.strategies.bind import held_at, place_of, write
 from metadist.strategies.flat import FlatParam
@@ -121,6 +122,7 @@ class Schedule:
 
     def end_backward(self) -> None:
         self._queued = False
+        agreement.count_backward()
         for unit in self.units:
             unit.end_backward()
 

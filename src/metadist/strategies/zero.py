@@ -275,7 +275,7 @@ class _ZeroStrategy(DDPStrategy):
         for i, o in zip(order, owner_in_order, strict=True):
             owners[i] = o
         gather = ParamGather(trainable, owners, w.world_size, w.rank)
-        reducer = Reducer(trainable, scale=self.grad_scale,
+        reducer = Reducer(trainable, scale=self.reduce_factor,
                           bucket_cap_mb=self.config.bucket_cap_mb,
                           first_bucket_mb=self.config.first_bucket_mb,
                               reduce_dtype=self.reduce_dtype,

@@ -10,7 +10,7 @@ step. Three ways, each at N = 1, 2 and 4 ranks (gloo, 1 thread per rank):
 
 * ddp, gathered: ``full_parameters()`` + ``functional_forward`` (everything whole);
 * zero3, gathered: the same lines under zero3 (``wrap_classes=(nn.Linear,)``);
-* zero3, sharded: ``model.fast_weights()`` (strategies/sharded_fast.py); and hsdp 2 x 2.
+* zero3, sharded: ``model.fast_weights()`` (strategies/zero3/sharded_fast.py); and hsdp 2 x 2.
 
 Memory is the growth of each rank's peak during one meta-step, two ways: bytes of live
 storages (allocations seen by a dispatch mode; stable under load) and resident memory (the
@@ -207,7 +207,7 @@ def _expected_calls(units: int, saved: int, turns: int = 0) -> dict[str, int]:
     Reduce-scatters: every unit's gradient in the K inner backwards and of the K + 1
     forwards in the outer one, and each saved weight's K second-order gradients.
     ``turns``: reads served by a gather made before them (with prefetch,
-    strategies/fast_ahead.py): each forward's last unit kept for the backward that follows
+    strategies/zero3/fast_ahead.py): each forward's last unit kept for the backward that follows
     it (K + 1), and where the outer backward turns from an inner step's recorded backward to
     its forward, on the same weight (K)."""
     gathers = (K + 1) * units + K * units + (K + K + 1 + K) * saved - turns

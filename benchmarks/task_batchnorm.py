@@ -6,7 +6,7 @@ One meta-step of second-order MAML under ddp on a convolutional net with a Batch
 each convolution (OmniglotCNN's blocks, 1 x 28 x 28 inputs, 5-way tasks), each rank on its
 own tasks through ``full_parameters()`` + ``functional_forward``. Each task's forwards record
 the update they would make to the running statistics; the optimizer's step combines every
-rank's records in rank order (strategies/running_stats.py: one small all-reduce, then one
+rank's records in rank order (strategies/batchnorm/running_stats.py: one small all-reduce, then one
 all-gather of the records). The configurations take turns in one launch (ms per meta-step,
 medians):
 

@@ -6,7 +6,7 @@ called directly, or a normalisation of the program's own through ``F.batch_norm`
 functional MAML learners write it), went around them: at 2 ranks, 5 steps trained 5.2e-2 away
 from one process on the global batch under ddp, zero2 and zero3, silently, with
 ``sync_batchnorm`` unsaid and also with ``sync_batchnorm=True``. Now every such call is
-decided where it computes (strategies/batch_norm_calls.py): unsaid it stops and asks, with
+decided where it computes (strategies/batchnorm/calls.py): unsaid it stops and asks, with
 ``True`` it uses the global batch's statistics, with ``False`` each rank's, as the layers do.
 """
 

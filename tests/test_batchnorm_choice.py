@@ -1,5 +1,5 @@
 """A BatchNorm on several ranks normalises by the statistics the program says, or stops
-(strategies/batch_statistics.py). Before, a plain BatchNorm under a data-parallel strategy
+(strategies/batchnorm/statistics.py). Before, a plain BatchNorm under a data-parallel strategy
 normalised each rank's slice of the global batch by the slice's own statistics and trained
 to other values than one process, silently (the default was ``sync_batchnorm=False``).
 
@@ -26,7 +26,7 @@ from torch import nn
 import metadist
 import parity
 from metadist.meta import module_clone
-from metadist.strategies import batch_statistics
+from metadist.strategies.batchnorm import statistics as batch_statistics
 from metadist.testing import run_on_ranks
 
 STEPS = 10

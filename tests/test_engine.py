@@ -32,7 +32,7 @@ from metadist.meta import (
     ProblemConfig,
 )
 from metadist.strategies.fast_weights import FastWeights
-from metadist.strategies.shard_piece import plain, shard_internals
+from metadist.strategies.tensors.shard_piece import plain, shard_internals
 from metadist.testing import run_on_ranks
 
 # The problem is float64; both sides run on the machine running the test and differ only in
@@ -194,7 +194,7 @@ def test_bilevel_training_on_shards_at_four_ranks(
         strategy: str, nnodes: int,
         references: dict[tuple[str, bool], dict[str, Tensor]]) -> None:
     """Under zero3/hsdp the engine's hypergradients run on the lower problem's shards as
-    fast weights (strategies/sharded_fast.py): the same results at 4 ranks, hsdp 2 x 2."""
+    fast weights (strategies/zero3/sharded_fast.py): the same results at 4 ranks, hsdp 2 x 2."""
     cases = [(m, strategy, ZERO3, False) for m in ("unrolled", "neumann", "cg")]
     out = run_on_ranks(_train_cases, 4, args=(cases,), nnodes=nnodes, timeout=300)
     for rank, results in enumerate(out):
@@ -275,7 +275,7 @@ def _landing() -> dict[str, bool]:
         with comm.stats.counting() as step:
             hyper.optimizer.step()  # the reducer must not re-average (or sync anything)
         # zero3: only the per-step all-reduce of which parameters have a gradient (one
-        # byte per parameter: log_decay), which the landing recorded (strategies/unreached.py)
+        # byte per parameter: log_decay), which the landing recorded (strategies/zero3/unreached.py)
         flags = {"all_reduce": 1} if strategy == "zero3" else {}
         out[f"{strategy} no collective"] = landing.calls == 0 and {
             op: s.calls for op, s in step.ops.items()} == flags and step.bytes == len(flags)

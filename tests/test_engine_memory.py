@@ -1,7 +1,7 @@
 """The Engine's own first-order steps under zero3/hsdp hold one unit at a time, not the model.
 
 A problem stepping on its own parameters is bound to its shards as fast weights for the whole
-``training_step`` (every access path sees them; strategies/sharded_fast.py), so a rank's peak
+``training_step`` (every access path sees them; strategies/zero3/sharded_fast.py), so a rank's peak
 during the step falls as 1/N like the strategy's own forward. Before, it was bound to
 ``full_parameters()``: an owned whole copy of the model on every rank for the step. Measured
 in bytes of live storages (stable under load), against one process's step.

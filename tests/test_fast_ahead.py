@@ -1,4 +1,4 @@
-"""zero3/hsdp fast weights gather ahead of their use (strategies/fast_ahead.py): the next
+"""zero3/hsdp fast weights gather ahead of their use (strategies/zero3/fast_ahead.py): the next
 unit's gather overlaps the current unit's compute, in the forward and in every backward
 that reads saved weights again. What these tests hold it to:
 
@@ -22,7 +22,7 @@ from torch import nn
 
 import fast_meta
 import metadist
-from metadist.strategies import fast_ahead
+from metadist.strategies.zero3 import fast_ahead
 from metadist.testing import bytes_kept_by, run_on_ranks
 from parity import assert_tensors_close
 

@@ -116,7 +116,7 @@ def test_meta_steps_keep_nothing_from_one_step_to_the_next() -> None:
 def _kept_by_a_saved_output() -> bool:
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from metadist.strategies.shard_gather import saved_as_shards
+    from metadist.strategies.zero3.shard_gather import saved_as_shards
 
     x = torch.randn(16, requires_grad=True)
     with saved_as_shards():

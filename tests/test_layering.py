@@ -17,12 +17,13 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "metadist"
 # Modules and names that belong to individual strategies (not the shared interface:
 # base, module, placement, bind, step_chain, ...).
 STRATEGY_OWN_MODULES = {
-    "metadist.strategies.fsdp", "metadist.strategies.zero", "metadist.strategies.flat",
-    "metadist.strategies.units", "metadist.strategies.unit_state",
-    "metadist.strategies.backward_holds", "metadist.strategies.backward_coordinator",
-    "metadist.strategies.hsdp", "metadist.strategies.ddp", "metadist.strategies.dp",
+    "metadist.strategies.zero3.strategy", "metadist.strategies.zero",
+    "metadist.strategies.zero3.flat",
+    "metadist.strategies.zero3.units", "metadist.strategies.zero3.unit_state",
+    "metadist.strategies.zero3.backward_holds", "metadist.strategies.zero3.backward_coordinator",
+    "metadist.strategies.zero3.hsdp", "metadist.strategies.ddp", "metadist.strategies.dp",
     "metadist.strategies.single", "metadist.strategies.buckets",
-    "metadist.strategies.unreached", "metadist.strategies.flat_layout",
+    "metadist.strategies.zero3.unreached", "metadist.strategies.zero3.flat_layout",
 }
 STRATEGY_OWN_NAMES = {"ShardedModule", "OwnerLayout", "FlatLayout", "FlatParam", "Unit",
                       "Zero3Strategy", "HSDPStrategy", "DDPStrategy"}

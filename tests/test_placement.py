@@ -27,7 +27,7 @@ from metadist.strategies.placement import (
     paste,
     per_element,
 )
-from metadist.strategies.shard_piece import shard_internals
+from metadist.strategies.tensors.shard_piece import shard_internals
 from metadist.testing import run_on_ranks
 from parity import assert_tensors_close
 

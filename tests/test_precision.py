@@ -13,7 +13,7 @@ import torch
 import metadist
 from metadist.comm import stats
 from metadist.precision import LossScaler, Precision
-from metadist.strategies.shard_piece import shard_internals
+from metadist.strategies.tensors.shard_piece import shard_internals
 from metadist.testing import assert_same_on_all_ranks, run_on_ranks
 from parity import batches, loss_fn, make_net, make_optimizer, reference, shard, train_on_rank
 
@@ -89,7 +89,7 @@ def _gradient_bytes(strategy: str, reduce_dtype: str | None) -> tuple[int, dict[
             s.backward(loss_fn(out, shard(y, w.rank, w.world_size)))
             opt.step()
     # zero3's gradients are all reduce-scattered; its one all-reduce per step carries the
-    # per-parameter "had a gradient" flags (a byte each, strategies/unreached.py)
+    # per-parameter "had a gradient" flags (a byte each, strategies/zero3/unreached.py)
     reducing_ops = ("reduce_scatter",) if strategy == "zero3" else (
         "all_reduce", "reduce", "reduce_scatter")
     reducing = sum(o.bytes for name, o in counts.ops.items() if name in reducing_ops)

@@ -1,4 +1,4 @@
-"""Running statistics and buffers on several ranks (strategies/running_stats.py,
+"""Running statistics and buffers on several ranks (strategies/batchnorm/running_stats.py,
 strategies/ddp.py's buffer broadcast, strategies/fast_weights.py's uneven slices).
 
 * Each rank's own batches update the running statistics as one process running the ranks'

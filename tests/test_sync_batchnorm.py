@@ -9,7 +9,7 @@ from torch import nn
 
 import metadist
 from metadist import SyncBatchNorm
-from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
+from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.testing import run_on_ranks
 
 SIZES = {2: [3, 5], 3: [4, 2, 6]}  # uneven local batches

@@ -1,5 +1,5 @@
 """BatchNorm in meta-learning: each task normalised by its own statistics, and the running
-statistics updated as one process updates them (strategies/running_stats.py).
+statistics updated as one process updates them (strategies/batchnorm/running_stats.py).
 
 Reproduction (2 ranks, the programs of tests/batchnorm_tasks.py on Omniglot's shapes): before,
 learn2learn's MAML, its MetaSGD, higher and ``full_parameters()`` + ``functional_forward``

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import metadist
-from metadist.strategies import grad_norm
+from metadist.strategies.tensors import grad_norm
 from metadist.testing import run_on_ranks
 from parity import assert_tensors_close
 

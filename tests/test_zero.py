@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import metadist
-from metadist.strategies.fsdp import ShardedModule
-from metadist.strategies.wrap import plan_units
 from metadist.strategies.zero import balanced_partition
+from metadist.strategies.zero3.strategy import ShardedModule
+from metadist.strategies.zero3.wrap import plan_units
 from metadist.testing import run_on_ranks, unique_storage_bytes
 from parity import (
     ATOL,
@@ -393,7 +393,7 @@ def _offload_observed(cpu_offload: bool, breakage: str) -> dict[str, Any]:
     with the flat's ``offload`` set. ``breakage`` disables the path (the test of the test):
     "flag_dropped" builds the flats without offload; "copy_skipped" keeps the flag but skips
     the copy."""
-    from metadist.strategies.flat import FlatParam
+    from metadist.strategies.zero3.flat import FlatParam
 
     copied: list[torch.Tensor] = []  # what Tensor.cpu() returned during setup (kept alive,
     # so that no later tensor can reuse one of their addresses)

@@ -16,7 +16,7 @@ from torch.func import functional_call
 
 import metadist
 from metadist.comm import stats
-from metadist.strategies.fsdp import ShardedModule
+from metadist.strategies.zero3.strategy import ShardedModule
 from metadist.testing import run_on_ranks, unique_storage_bytes
 from parity import assert_tensors_close
 

@@ -1,4 +1,4 @@
-"""zero3 units' lifetime (strategies/unit_state.py): the states a training step walks
+"""zero3 units' lifetime (strategies/zero3/unit_state.py): the states a training step walks
 through with and without ``reshard_after_forward``, prefetch included, and a transition the
 table does not have caught as an internal error naming both states."""
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import metadist
-from metadist.strategies.fsdp import ShardedModule
-from metadist.strategies.unit_state import UnitState, check_transition
+from metadist.strategies.zero3.strategy import ShardedModule
+from metadist.strategies.zero3.unit_state import UnitState, check_transition
 from metadist.testing import run_on_ranks
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import metadist
 from metadist.comm import stats
-from metadist.strategies.fsdp import ShardedModule
+from metadist.strategies.zero3.strategy import ShardedModule
 from metadist.testing import run_on_ranks, unique_storage_bytes
 from parity import assert_tensors_close
 
@@ -199,7 +199,7 @@ def _train_stack(min_unit_params: int, steps: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("min_unit_params", [10, 100, 250])  # per block, pairs, the whole list
 def test_containers_without_a_forward_are_never_units(min_unit_params: int) -> None:
-    from metadist.strategies.wrap import plan_units
+    from metadist.strategies.zero3.wrap import plan_units
 
     plans = plan_units(Stack(), min_unit_params)
     members = [type(m).__name__ for plan in plans for m in plan.modules]

@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from metadist.comm import ops
 from metadist.runtime.spawn import RankPool
-from metadist.strategies.elsewhere import ElsewhereGrad
+from metadist.strategies.tensors.elsewhere import ElsewhereGrad
 
 _pools: dict[tuple[int, int, str | None, int], RankPool] = {}
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from metadist.meta.optim import GradSync
 from metadist.strategies.fast_weights import FastWeights, layout_of
-from metadist.strategies.shard_piece import shard_internals
+from metadist.strategies.tensors.shard_piece import shard_internals
 
 __all__ = ["Hparams", "HparamsLike", "hparams_of", "laid_out", "over", "over_theta",
            "shard_internals", "sharded_now", "sync_lam", "sync_split", "sync_theta"]

@@ -221,7 +221,7 @@ class Problem(ABC):
         """The parameters a hypergradient takes as its inner parameters: :meth:`params`,
         or under zero3/hsdp this rank's shard pieces as fast weights (detached), so that a
         hypergradient through unrolled steps holds shards, not whole copies
-        (strategies/sharded_fast.py; the results are the same)."""
+        (strategies/zero3/sharded_fast.py; the results are the same)."""
         if self.replicated:
             return self.params(clone=clone)
         fast = self.wrapped.fast_weights()
@@ -338,7 +338,7 @@ class Problem(ABC):
     def gradient_arrives(self, t: Tensor) -> None:
         """A gradient for all of ``t`` (one of :meth:`trainable`) is about to be written by
         other means than a backward or :meth:`accumulate_grads`: every parameter it holds
-        has one (zero3 skips those without, strategies/unreached.py)."""
+        has one (zero3 skips those without, strategies/zero3/unreached.py)."""
         self._placement.gradients_added(
             [pl.name for pl in self._placement.tensors if any(q.local is t for q in pl.parts)])
 

@@ -1,12 +1,15 @@
-"""Strategies: one file each, one registry, one small interface (see base.py)."""
+"""Strategies: one file each (zero3/hsdp: a package), one registry, one small interface
+(see base.py)."""
 
-from metadist.strategies import ddp, dp, fsdp, hsdp, single, zero
+from metadist.strategies import ddp, dp, single, zero, zero3
 from metadist.strategies.base import Strategy, StrategyConfig, available, register, strategy
+from metadist.strategies.batchnorm.sync import SyncBatchNorm, convert_sync_batchnorm
 from metadist.strategies.bind import bind_parameters
 from metadist.strategies.deferred import deferred_init
-from metadist.strategies.elsewhere import ElsewhereGrad, held_grad
 from metadist.strategies.module import DistributedModule
-from metadist.strategies.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from metadist.strategies.tensors.elsewhere import ElsewhereGrad, held_grad
+from metadist.strategies.zero3 import hsdp as _hsdp  # noqa: F401  (registers hsdp)
+from metadist.strategies.zero3 import strategy as _zero3  # noqa: F401  (registers zero3/fsdp)
 
 __all__ = [
     "DistributedModule",
@@ -20,11 +23,10 @@ __all__ = [
     "ddp",
     "deferred_init",
     "dp",
-    "fsdp",
     "held_grad",
-    "hsdp",
     "register",
     "single",
     "strategy",
     "zero",
+    "zero3",
 ]

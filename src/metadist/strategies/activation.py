@@ -23,8 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from metadist.strategies import cooperative
 from metadist.strategies.bind import Rebinding, bound_within, captured, explicit_marks
-from metadist.strategies.sharded_fast import Resumed
-from metadist.strategies.wrap import CHECKPOINTED
+from metadist.strategies.zero3.sharded_fast import Resumed
+from metadist.strategies.zero3.wrap import CHECKPOINTED
 
 ModulePredicate = Callable[[nn.Module], bool]
 CheckpointPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | ModulePredicate
@@ -33,7 +33,7 @@ CheckpointPolicy = type[nn.Module] | tuple[type[nn.Module], ...] | ModulePredica
 class CheckpointWrapper(nn.Module):
     """Runs ``module`` under activation checkpointing; state-dict keys stay the module's own."""
 
-    is_checkpoint_wrapper = True  # what strategies/wrap.py looks for
+    is_checkpoint_wrapper = True  # what strategies/zero3/wrap.py looks for
 
     def __init__(self, module: nn.Module, *, preserve_rng_state: bool = True) -> None:
         super().__init__()

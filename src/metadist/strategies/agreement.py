@@ -197,7 +197,11 @@ class StepAgreement:
         self._group = _Control.get()
         self._size = dist.get_world_size(self._group)
         self._since = (_BACKWARDS[0], TRACKER.seq(dist.group.WORLD))
-        self._pending: tuple[Any, torch.Tensor, int, list[Item]] | None = None
+        # one buffer each, made once: a step allocates no tensor of its own (written through
+        # numpy, the CPU tensors of the gloo group)
+        self._mine = torch.zeros(3, dtype=torch.int64)
+        self._everyone = torch.zeros(self._size * 3, dtype=torch.int64)
+        self._pending: tuple[Any, int, list[Item]] | None = None
 
     def items(self) -> list[Item]:
         """The hyperparameters (compared as a digest; named where they differ)."""
@@ -214,21 +218,20 @@ class StepAgreement:
         text = "\n".join(f"{i.name}\t{i.value}" for i in items).encode()
         digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
         now = (_BACKWARDS[0], TRACKER.seq(dist.group.WORLD))
-        mine = torch.tensor([digest, now[0] - self._since[0], now[1] - self._since[1]],
-                            dtype=torch.int64)
+        self._mine.numpy()[:] = (digest, now[0] - self._since[0], now[1] - self._since[1])
         self._since = now
-        everyone = torch.empty(self._size * mine.numel(), dtype=torch.int64)
         # control traffic on its own group: 24 bytes a rank a step, outside metadist.comm's
         # counters (which account for the training's collectives); bounded by its timeout
-        work = ops.all_gather_single(everyone, mine, group=self._group, async_op=True)
-        self._pending = (work, everyone, self.steps, items)
+        work = ops.all_gather_single(self._everyone, self._mine, group=self._group,
+                                     async_op=True)
+        self._pending = (work, self.steps, items)
 
     def check(self) -> None:
         """Read the last step's comparison (waits for it); raise on every rank where the
         ranks differed."""
         if self._pending is None:
             return
-        handle, everyone, step, items = self._pending
+        handle, step, items = self._pending
         self._pending = None
         what = f"optimizer.step() #{step} under {self.strategy!r}"
         try:
@@ -238,7 +241,7 @@ class StepAgreement:
                 f"{what}: the ranks' comparison of this step did not complete ({exc}); a rank "
                 f"did not reach its step #{step}: it skipped optimizer.step() calls, or "
                 "stopped. Call optimizer.step() on every rank alike") from exc
-        rows = everyone.view(self._size, -1)
+        rows = self._everyone.view(self._size, -1)
         if bool((rows == rows[0]).all()):
             return
         counted = _counts(rows, step)

@@ -27,19 +27,14 @@ from metadist.comm import functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
-from metadist.strategies import (
-    agreement,
-    batch_norm_calls,
-    batch_statistics,
-    deferred,
-    grad_norm,
-    ownership,
-    step_chain,
-)
+from metadist.strategies import agreement, deferred, ownership, step_chain
 from metadist.strategies.activation import CheckpointPolicy, apply_activation_checkpointing
+from metadist.strategies.batchnorm import calls as batch_norm_calls
+from metadist.strategies.batchnorm import statistics as batch_statistics
 from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.options import check_foreign, options_of
+from metadist.strategies.tensors import grad_norm
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 _ALIASES: dict[str, str] = {}
@@ -191,7 +186,7 @@ class StrategyConfig:
     #: together (they are slices of one global batch: BatchNorm layers become metadist's
     #: SyncBatchNorm, CPU and GPU); False, each rank's batch alone (one of its own: a task,
     #: a micro-batch); None (not said) stops at the first such forward and asks. Per-rank
-    #: tasks normalise by their own batch either way (strategies/batch_statistics.py).
+    #: tasks normalise by their own batch either way (strategies/batchnorm/statistics.py).
     sync_batchnorm: bool | None = None
     #: "32-true", "bf16-mixed", "16-mixed" (with a rank-synchronised loss scaler) or
     #: "bf16-true"; see metadist.precision.

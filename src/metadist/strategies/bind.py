@@ -53,7 +53,7 @@ def task_active(root: nn.Module) -> bool:
     """Whether ``root`` runs a per-rank task on explicit parameters (a block opened with
     ``task=True``: ``functional_forward``), not the module itself on other tensors
     (``bound``, the meta engine's problems): a task's batch is its own
-    (strategies/batch_norm_calls.py)."""
+    (strategies/batchnorm/calls.py)."""
     return -id(root) in _EXPLICIT.get()
 
 

@@ -39,7 +39,7 @@ from metadist.comm import ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import Group
 from metadist.strategies import agreement
-from metadist.strategies.elsewhere import ElsewhereGrad, held_grad
+from metadist.strategies.tensors.elsewhere import ElsewhereGrad, OwnedGrad, held_grad
 
 
 class _State(enum.Enum):
@@ -227,7 +227,7 @@ class Reducer:
 
         def hook(grad: torch.Tensor) -> None:
             # zero2, another rank's parameter: a backward accumulates afresh, never into the
-            # placeholder (an in-place change of one does nothing: strategies/elsewhere.py)
+            # placeholder (an in-place change of one does nothing: strategies/tensors/elsewhere.py)
             if isinstance(p.grad, ElsewhereGrad) and will_accumulate(node):
                 p.grad = None
 
@@ -272,7 +272,7 @@ class Reducer:
                 view.copy_(g)
             if not b.persistent:  # zero2: another rank owns it; free it at once
                 assert b.owner is not None
-                p.grad = ElsewhereGrad.like(p, b.owner, self._names[p])
+                p.grad = ElsewhereGrad.like(p, b.owner, self._names[p], self._group)
         buf[b.numel:].copy_(torch.tensor(had_grad, dtype=buf.dtype))
         if b.owner != self._rank:  # an owner's own gradients arrive pre-scaled
             scale = self.scale()
@@ -301,8 +301,9 @@ class Reducer:
             b.wait()
             used = (b.buffer[b.numel:] > 0).tolist()
             for p, view, was_used in zip(b.params, b.views, used, strict=True):
-                if was_used:
-                    p.grad = view
+                if was_used:  # zero2: the owner's gradient, typed (strategies/tensors/)
+                    p.grad = view if b.owner is None else OwnedGrad.of(
+                        view, b.owner, self._names[p], self._group)
                 # else: no rank had a gradient; p.grad stays as the user left it
         self._state = _State.IDLE
         self._local_unsynced = False

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch._C._dynamo import eval_frame as _eval_frame
 
-from metadist.strategies.wrap import NO_FORWARD, is_checkpoint_wrapper
+from metadist.strategies.zero3.wrap import NO_FORWARD, is_checkpoint_wrapper
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -5,7 +5,7 @@ a group split. A layer whose output depends on the whole batch, not on each samp
 must therefore see the group's batch: BatchNorm's statistics. While such a computation runs,
 :func:`cooperating` holds its group, and
 
-* metadist's :class:`~metadist.strategies.sync_batchnorm.SyncBatchNorm` reduces its
+* metadist's :class:`~metadist.strategies.batchnorm.sync.SyncBatchNorm` reduces its
   statistics over that group (under ``hsdp`` the node's ranks, which share a task, not the
   world, which works on several);
 * a plain BatchNorm layer that would normalise with batch statistics stops the forward

@@ -16,9 +16,9 @@ from torch.optim import Optimizer
 from metadist.comm import fused
 from metadist.strategies import step_chain
 from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.module import DistributedModule
-from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class ReplicatedModule(DistributedModule):
 
     def pre_forward(self) -> None:
         # Rank 0's buffers, as torch DDP broadcasts them, except running statistics whose
-        # updates the ranks combine at the step (strategies/running_stats.py). Written
+        # updates the ranks combine at the step (strategies/batchnorm/running_stats.py). Written
         # through .data: a graph that saved a buffer (a double backward's) stays valid, as
         # torch's kernels leave it when they update running statistics.
         if self._broadcast_buffers:

@@ -15,7 +15,7 @@ from torch.nn.parallel.scatter_gather import scatter_kwargs
 from torch.optim import Optimizer
 
 from metadist.strategies.base import Strategy, register
-from metadist.strategies.batch_statistics import plain_batchnorms
+from metadist.strategies.batchnorm.statistics import plain_batchnorms
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.module import DistributedModule
 

@@ -18,7 +18,7 @@ Under ``single``, ``ddp``, ``zero1`` and ``zero2`` the fast weights are full ten
 they stay **shards**: each rank holds its slice of every unit's flat buffer, a forward
 gathers one unit at a time, the tensors autograd saves from a gathered unit are kept as
 shards and gathered again when a backward (or the backward of a backward) needs them, and the
-inner gradient arrives already reduced into the shards (strategies/sharded_fast.py), so the
+inner gradient arrives already reduced into the shards (zero3/sharded_fast.py), so the
 graph of K inner steps holds O(K P / N) parameters, not O(K P). The group is the world, but
 under ``hsdp`` it is the node: replica groups work on different tasks.
 
@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves, tree_map_only
 
-from metadist.strategies.shard_piece import as_piece, plain, shard_internals
+from metadist.strategies.tensors.shard_piece import as_piece, plain, shard_internals
 
 
 class FastLayout(Protocol):
@@ -92,7 +92,7 @@ class FastLayout(Protocol):
 
     def mean_of_local(self, grads: Sequence[Tensor]) -> tuple[Tensor, ...]:
         """Sharded layouts: the mean over ranks of every rank's own gradient, from
-        gradients taken with respect to the pieces (see sharded_fast.py)."""
+        gradients taken with respect to the pieces (see zero3/sharded_fast.py)."""
 
     def recording(self) -> AbstractContextManager[Any]:
         """Around a backward that records a graph: keeps what it saves as shards."""
@@ -106,7 +106,7 @@ class FastWeights:
     pieces: tuple[Tensor, ...]
 
     def __post_init__(self) -> None:
-        if self.layout.sharded:  # slices of shards: only element-wise (shard_piece.py)
+        if self.layout.sharded:  # slices of shards: only element-wise (tensors/shard_piece.py)
             object.__setattr__(self, "pieces", tuple(as_piece(t) for t in self.pieces))
 
     # ----- arithmetic: element-wise on the pieces --------------------------------------------

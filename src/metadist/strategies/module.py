@@ -19,14 +19,14 @@ import torch
 from torch import nn
 
 from metadist.precision import Precision
-from metadist.strategies.batch_norm_calls import copy_running
+from metadist.strategies.batchnorm.calls import copy_running
+from metadist.strategies.batchnorm.running_stats import LEDGERS, RunningStats
 from metadist.strategies.bind import bind_parameters
 from metadist.strategies.compile import call, compile_call, pieces
 from metadist.strategies.cooperative import cooperating
 from metadist.strategies.fast_weights import FastWeights, ReplicatedLayout, weigh_slice
-from metadist.strategies.grad_norm import Split
 from metadist.strategies.placement import ModulePlacement, replicated_module
-from metadist.strategies.running_stats import LEDGERS, RunningStats
+from metadist.strategies.tensors.grad_norm import Split
 
 #: the modules strategies returned from setup; a copy of one (learn2learn's clone, higher's
 #: patched module, copy.deepcopy) is not among them, and runs a per-rank task
@@ -188,7 +188,7 @@ class DistributedModule(nn.Module):
     def sync_running_stats(self) -> None:
         """Combine every rank's updates of the running statistics since the last optimizer
         step, as one process running the ranks' batches in rank order makes them
-        (strategies/running_stats.py). Collective: every rank calls it. The step of an
+        (strategies/batchnorm/running_stats.py). Collective: every rank calls it. The step of an
         optimizer set up by the strategy calls it."""
         ledger = self.running_stats()
         if ledger is not None:
@@ -282,7 +282,7 @@ class DistributedModule(nn.Module):
     def split_gradients(self) -> dict[torch.Tensor, Split]:
         """Parameters whose ``.grad`` on this rank is only a part of the gradient one process
         computes, and how the parts add up (zero2, zero3, hsdp); torch's gradient utilities
-        read it (strategies/grad_norm.py). Default: none, every gradient is whole."""
+        read it (strategies/tensors/grad_norm.py). Default: none, every gradient is whole."""
         return {}
 
     def placements(self) -> ModulePlacement:

@@ -1,6 +1,6 @@
 """The optimizer state one process holds for each parameter, where a stepped tensor holds
 several parameters (zero3's flat shards) whose per-parameter values differ: Adam's step
-count of a parameter the steps skipped (strategies/unreached.py) stays where one process
+count of a parameter the steps skipped (strategies/zero3/unreached.py) stays where one process
 left it while its shard's moves on. Descriptions (:attr:`~metadist.strategies.placement.
 Stepped.own`), consolidation, checkpoints and loads speak of it in these terms."""
 

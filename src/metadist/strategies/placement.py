@@ -32,10 +32,10 @@ from torch.optim import Optimizer
 from metadist.comm import ops
 from metadist.runtime.world import Group
 from metadist.strategies.own_state import Own, own_states
-from metadist.strategies.wrap import state_dict_key
+from metadist.strategies.zero3.wrap import state_dict_key
 
 if TYPE_CHECKING:
-    from metadist.strategies.flat import FlatParam
+    from metadist.strategies.zero3.flat import FlatParam
 
 #: Who writes a tensor when saving:
 #: ``"spread"``: every rank holds it whole and identical, so the writes may be spread over
@@ -173,7 +173,7 @@ class ModulePlacement:
     in_module: bool = True
     #: to call with the names of parameters whose gradients are about to be added into the
     #: stepped tensors outside a backward (zero3 records which parameters have a gradient,
-    #: strategies/unreached.py); nothing to do where every parameter is a tensor of its own
+    #: strategies/zero3/unreached.py); nothing to do where every parameter is a tensor of its own
     gradients_added: Callable[[Iterable[str]], None] = lambda names: None
     _by_name: dict[str, Placement] = field(init=False, repr=False)
 
@@ -320,7 +320,7 @@ class Stepped:
     lead: bool
     #: parameters (by name) whose state one process holds otherwise than this tensor's:
     #: their own per-parameter values, or None for no state at all (zero3: parameters a
-    #: step skipped, strategies/unreached.py)
+    #: step skipped, strategies/zero3/unreached.py)
     own: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
 
     def state_for(self, p: Placement, state: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -6,9 +6,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from metadist.strategies.base import Strategy, register
+from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.ddp import ReplicatedModule, move_optimizer_state
 from metadist.strategies.module import DistributedModule
-from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
 @register("single", "default")

@@ -1,7 +1,7 @@
 """State dicts of a zero3/hsdp model that behave like the plain module's.
 
 Between forwards the user's modules hold placeholders in place of their parameters (the
-values are slices of flat shards, strategies/flat.py), which torch's ``state_dict`` writes
+values are slices of flat shards, strategies/zero3/flat.py), which torch's ``state_dict`` writes
 in their places and ``load_state_dict`` cannot copy into. Hooks on every module of the
 user's tree write the values in those places and load the shards instead, so
 ``model.state_dict()``, ``model.module.state_dict()``, a submodule's, and that of a module
@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from metadist.comm import ops
-from metadist.strategies.flat import FlatParam
-from metadist.strategies.foreign_runs import Placeholder, resolved
 from metadist.strategies.placement import flat_part, paste
+from metadist.strategies.zero3.flat import FlatParam
+from metadist.strategies.zero3.foreign_runs import Placeholder, resolved
 
 FlatRef = tuple[str, FlatParam, int]  # (attribute, flat, slot index)
 

@@ -18,14 +18,14 @@ before ``step()``
 ``"unscale"``             unscale, check every rank for inf/NaN, drop the step's gradients
                           if any (16-mixed)
 ``"skip_unreached"``      set aside what the step must not change of parameters no
-                          gradient reached (zero3, hsdp: strategies/unreached.py)
+                          gradient reached (zero3, hsdp: strategies/zero3/unreached.py)
 after ``step()``
 ``"restore_unreached"``   put it back
 ``"shards_changed"``      drop gathered copies of the old parameters (zero3, hsdp)
 ``"refresh_params"``      refresh every rank's parameters from their owners (zero1/2)
 ``"update_scale"``        grow or back off the loss scale (16-mixed)
 ``"running_stats"``       combine the ranks' updates of running statistics from their own
-                          batches (strategies/running_stats.py)
+                          batches (strategies/batchnorm/running_stats.py)
 ========================  =========================================================
 
 A step the scaler skipped still runs the post phases: the refresh then copies unchanged

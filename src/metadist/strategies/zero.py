@@ -31,10 +31,10 @@ from metadist.strategies import step_chain
 from metadist.strategies.base import register
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.ddp import DDPConfig, DDPStrategy, ReplicatedModule, prepare_replicated
-from metadist.strategies.grad_norm import Split
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import OptimizerPlacement, Stepped, whole_tensor
 from metadist.strategies.sharded_optim import OptimizerLayout, shard_optimizer
+from metadist.strategies.tensors.grad_norm import Split
 
 
 def balanced_partition(sizes: list[int], parts: int) -> list[int]:

@@ -23,7 +23,7 @@ from metadist.compat.betty.configs import Config
 from metadist.meta.config import ProblemConfig
 from metadist.meta.problem import Problem as NativeProblem
 from metadist.strategies.base import Strategy
-from metadist.strategies.elsewhere import held_grad
+from metadist.strategies.tensors.elsewhere import held_grad
 
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine as NativeEngine

@@ -10,7 +10,7 @@ from metadist.compat.torchopt import _tree
 from metadist.compat.torchopt.base import EmptyState, GradientTransformation
 from metadist.compat.torchopt.transform.utils import put
 from metadist.strategies.fast_weights import FastWeights
-from metadist.strategies.shard_value import ShardValue
+from metadist.strategies.tensors.shard_value import ShardValue
 
 __all__ = ["clip_grad_norm"]
 

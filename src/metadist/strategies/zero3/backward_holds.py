@@ -6,7 +6,7 @@ trainable flats read again through a graph kept by ``retain_graph=True`` after t
 unshard already reduced, and whatever a ``create_graph=True`` backward records (a later
 backward reads it again, and no hook gathers it then). :class:`BackwardHolds` gathers them,
 frees them when the plain backward ends, or *pins* them (the flat's own
-:meth:`~metadist.strategies.flat.FlatParam.pin`) until a plain backward ends (at the latest
+:meth:`~metadist.strategies.zero3.flat.FlatParam.pin`) until a plain backward ends (at the latest
 until the optimizer step). It only calls the flats' methods; which unit is in a forward is
 asked of the units (``busy``).
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from metadist.strategies.flat import FlatParam
+from metadist.strategies.zero3.flat import FlatParam
 
 
 class BackwardHolds:

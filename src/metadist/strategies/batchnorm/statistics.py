@@ -5,17 +5,17 @@ batch, or a batch of its own (a task, in meta-learning). Only the program knows 
 one process normalises the two differently. Which statistics the model's own forward uses
 is the strategy's ``sync_batchnorm``:
 
-* ``True``: BatchNorm layers become :class:`~metadist.strategies.sync_batchnorm.SyncBatchNorm`,
+* ``True``: BatchNorm layers become :class:`~metadist.strategies.batchnorm.sync.SyncBatchNorm`,
   statistics over every rank's batch together: one process's result where the ranks'
   batches are slices of one global batch;
 * ``False``: each rank's batch by itself, and the running statistics as one process running
-  the ranks' batches one after another (strategies/running_stats.py): one process's result
+  the ranks' batches one after another (strategies/batchnorm/running_stats.py): one process's result
   where each rank's batch is a batch of its own (a task, or a micro-batch);
 * unsaid (``None``, the default): the first forward on more than one rank that would
   normalise by batch statistics stops, says what differs and asks for one of the two.
 
 Not asked, because the answer changes nothing: a per-rank task (a copy of the model,
-explicit parameters, adapted weights: strategies/batch_norm_calls.py), which normalises by
+explicit parameters, adapted weights: strategies/batchnorm/calls.py), which normalises by
 its own task's batch whatever is said, and a cooperative inner problem (``fast_weights()``),
 which strategies/cooperative.py checks by its own rule. The check is a forward pre-hook on
 the plain BatchNorm layers of a model set up on several ranks with the choice unsaid (the
@@ -27,7 +27,7 @@ synchronised BatchNorm's statistics are the global batch's whatever the split, b
 gradient a rank's loss sends through them to the other ranks' samples must carry that
 rank's share too, and a stand-in's sample must not count in them at all. So the
 synchronised layers of a set-up model read their strategy's share of this rank's batch
-(:func:`share_of`; see strategies/sync_batchnorm.py).
+(:func:`share_of`; see strategies/batchnorm/sync.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """zero3/hsdp fast weights: gathers started ahead of their use (FSDP2's prefetch, on pieces).
 
 A forward on fast weights gathers each unit as its members run, and a backward gathers a
-saved weight again when it reads it (strategies/shard_gather.py). Waiting on each gather
+saved weight again when it reads it (strategies/zero3/shard_gather.py). Waiting on each gather
 where it is needed leaves the compute idle for every exchange: at a small batch the sharded
 meta-step measured about twice the gathered path's time, nearly all of it in the gathers.
 So the gather most likely needed next is started while the current unit computes:
@@ -35,10 +35,10 @@ from torch import Tensor
 
 from metadist.comm import ops
 from metadist.comm.handle import Handle
-from metadist.strategies.shard_piece import plain
+from metadist.strategies.tensors.shard_piece import plain
 
 if TYPE_CHECKING:
-    from metadist.strategies.flat import FlatParam
+    from metadist.strategies.zero3.flat import FlatParam
 
 
 @dataclass

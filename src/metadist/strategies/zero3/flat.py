@@ -18,7 +18,7 @@ autograd's version checks on the tensors it saved.
 Which parameters a gradient reached is recorded per slot (:class:`_Views`: the split into
 parameter views is a node whose backward sees which views got a gradient); the record
 travels with the gradient (no_sync's stash, the deferred reduce-scatter) into
-:attr:`FlatParam.reached`, "has a gradient" per parameter, which strategies/unreached.py
+:attr:`FlatParam.reached`, "has a gradient" per parameter, which strategies/zero3/unreached.py
 turns into one process's ``grad=None`` at the optimizer step.
 
 Graphs that no unit hook re-gathers for (``full_parameters()``, the parameters
@@ -26,7 +26,7 @@ Graphs that no unit hook re-gathers for (``full_parameters()``, the parameters
 behind :class:`_UnshardOwned`, shared by the calls until the next optimizer step. No forward
 or backward in between can free it, and a graph kept with ``retain_graph`` can run again.
 
-The buffer is kept while anyone claims it: its unit (strategies/unit_state.py), unshards
+The buffer is kept while anyone claims it: its unit (strategies/zero3/unit_state.py), unshards
 still to be backpropagated (``live``), a pin (:meth:`FlatParam.pin`, by the backward holds).
 Each claim changes only through its owner's methods; :meth:`FlatParam.after_step` voids the
 flat's own when the shard changes.
@@ -45,11 +45,12 @@ from torch import nn
 from metadist.comm import functional, ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import SELF, Group
-from metadist.strategies.backward_coordinator import BackwardCoordinator
 from metadist.strategies.bind import place_of
 from metadist.strategies.buckets import will_accumulate
 from metadist.strategies.placement import flat_part, paste
-from metadist.strategies.shard_value import ShardParameter
+from metadist.strategies.tensors.shard_value import ShardParameter
+from metadist.strategies.tensors.whole_reductions import Span
+from metadist.strategies.zero3.backward_coordinator import BackwardCoordinator
 
 # A process-wide count, not a context variable: autograd may run a backward on a device thread.
 _reduced_shard_grads = 0
@@ -130,9 +131,11 @@ class FlatParam:
                 shard = shard.cpu().pin_memory() if device.type == "cuda" else shard.cpu()
         # what model.parameters() yields: element-wise arithmetic only (shard_value.py)
         self.shard = ShardParameter(shard, requires_grad=originals[0].requires_grad)
+        valid = min(max(self.numel - rank * self.shard_size, 0), self.shard_size)
+        self.shard._metadist_span = Span(group, valid, self.numel)  # type: ignore[attr-defined]
         self.full = torch.empty(self.padded, dtype=self.compute_dtype, device=device)
         #: per slot, what its module attributes hold while the buffer is freed (the
-        #: strategy's placeholders, strategies/foreign_runs.py)
+        #: strategy's placeholders, strategies/zero3/foreign_runs.py)
         self.placeholders: list[torch.Tensor] = []
         self._write = self.full.data  # own version counter: refills are invisible to autograd
         self._free()
@@ -154,15 +157,15 @@ class FlatParam:
         self._sync_grads = True
         # Per slot, whether a gradient reached it: seen by the views' backward (pending),
         # kept with the no_sync stash, and in ``reached`` for the gradient ``shard.grad``
-        # holds (reset when that starts afresh). See strategies/unreached.py.
+        # holds (reset when that starts afresh). See strategies/zero3/unreached.py.
         self._pending_reach: list[bool] | None = None
-        # fast weights (strategies/sharded_fast.py): (graph task, slots its views reached)
+        # fast weights (strategies/zero3/sharded_fast.py): (graph task, slots its views reached)
         self._task_reach: tuple[int, list[bool]] | None = None
         self._stash_reach: list[bool] | None = None
         self.reached: list[bool] | None = None
         #: Slots a step skipped whose optimizer state one process would hold otherwise than
         #: this shard does: slot index -> that state's per-parameter values (None: one
-        #: process holds no state for it). Kept by strategies/unreached.py.
+        #: process holds no state for it). Kept by strategies/zero3/unreached.py.
         self.skipped: dict[int, dict[str, Any] | None] = {}
         self._on_reduce: Callable[[], None] | None = None  # see set_on_reduce
 

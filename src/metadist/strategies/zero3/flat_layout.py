@@ -8,10 +8,10 @@ import torch
 from torch.optim import Optimizer
 
 from metadist.comm import ops
-from metadist.strategies.flat import FlatParam
 from metadist.strategies.own_state import Own
 from metadist.strategies.placement import OptimizerPlacement, flat_optimizer, per_element
 from metadist.strategies.sharded_optim import OptimizerLayout, ParamState
+from metadist.strategies.zero3.flat import FlatParam
 
 
 class FlatLayout(OptimizerLayout):

@@ -32,8 +32,8 @@ import torch
 from torch.optim import Optimizer
 
 from metadist.comm import ops
-from metadist.strategies.flat import FlatParam
 from metadist.strategies.placement import Part, flat_part, held, paste, per_element
+from metadist.strategies.zero3.flat import FlatParam
 
 # (flat, parts of this rank's shard, the shard's values there, per-element state there;
 #  None where the state did not exist before the step)

@@ -9,7 +9,7 @@ A cooperative inner loop's memory stays at O(K P / N) for K inner steps because:
   just before its first member runs and let go after its last, as the strategy's own forward
   does; frozen parameters are gathered without a graph.
 * **What autograd saves stays shards**, and second-order gradients do not wait whole
-  (strategies/shard_gather.py).
+  (strategies/zero3/shard_gather.py).
 
 Weights: a gather is the identity on the group's whole tensor, so its backward is a plain
 sum of every rank's gradient. ``fast.grad`` weights each rank's inner loss in the group's
@@ -35,16 +35,17 @@ from metadist.runtime.world import SELF
 from metadist.strategies.bind import Saved, place_of, restore, write
 from metadist.strategies.buckets import will_accumulate
 from metadist.strategies.cooperative import cooperating
-from metadist.strategies.fast_ahead import LAST_UNIT, Ahead, gather_now
 from metadist.strategies.fast_weights import check_even_weights, require_all
-from metadist.strategies.flat import (
+from metadist.strategies.tensors.shard_piece import plain
+from metadist.strategies.zero3.fast_ahead import LAST_UNIT, Ahead, gather_now
+from metadist.strategies.zero3.flat import (
     FlatParam,
     refuse_shard_grad,
     shard_grads_allowed,
     split_views,
 )
-from metadist.strategies.foreign_runs import RESOLVERS
-from metadist.strategies.shard_gather import (
+from metadist.strategies.zero3.foreign_runs import RESOLVERS
+from metadist.strategies.zero3.shard_gather import (
     Gathered,
     real_size,
     register,
@@ -52,8 +53,7 @@ from metadist.strategies.shard_gather import (
     scatter_parts,
     sum_over,
 )
-from metadist.strategies.shard_piece import plain
-from metadist.strategies.units import Unit, in_backward
+from metadist.strategies.zero3.units import Unit, in_backward
 
 _T = TypeVar("_T")
 
@@ -65,7 +65,7 @@ class _FastGather(torch.autograd.Function):
     group's whole tensor; inside ``fast.grad`` each rank's inner loss already carries its
     weight in the group's mean), read from the parameters' gradients where they lie (no
     whole-size concatenation first). It notes which parameters each backward reached, and
-    adds the second-order gradients diverted to this gather (strategies/shard_gather.py)."""
+    adds the second-order gradients diverted to this gather (strategies/zero3/shard_gather.py)."""
 
     @staticmethod
     def forward(ctx: Any, piece: Tensor, flat: FlatParam, gathered: list[Gathered],
@@ -227,7 +227,7 @@ class FastForward:
     def _keep_if_last(self, unit: Unit, made: list[tuple[Gathered, Tensor]]) -> None:
         """``unit`` ran last in the model's last forward on fast weights: its backward's
         first read of a saved weight is this unit's, so its buffer stays for that read
-        (strategies/fast_ahead.py, :class:`LastUnit`)."""
+        (strategies/zero3/fast_ahead.py, :class:`LastUnit`)."""
         order = self.root_unit.schedule.fast_order
         if not made or not order or order[-1] is not unit or in_backward() \
                 or not self.root_unit.schedule.prefetch:
@@ -262,7 +262,7 @@ class FastForward:
 
     def _gather_next(self, unit: Unit) -> None:
         """``unit`` opened: start gathering the unit that followed it in the model's last
-        forward on fast weights (strategies/fast_ahead.py), after dropping a guess that
+        forward on fast weights (strategies/zero3/fast_ahead.py), after dropping a guess that
         did not come."""
         self._drop_ahead()
         if in_backward():  # a recomputation runs some units, not the forward's order

@@ -279,5 +279,5 @@ def _mixed(name: str) -> str:
             "the layer the per-rank computation uses with track_running_stats=False")
 
 
-#: each watched root's running statistics (strategies/batch_norm_calls.py)
+#: each watched root's running statistics (strategies/batchnorm/calls.py)
 LEDGERS: weakref.WeakKeyDictionary[nn.Module, RunningStats] = weakref.WeakKeyDictionary()

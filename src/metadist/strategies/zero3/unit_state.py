@@ -1,8 +1,8 @@
 """The lifetime of a zero3/hsdp unit's gathered parameters: one state per unit.
 
-A unit's state is its own claim on its flats' full buffers (strategies/units.py moves it,
+A unit's state is its own claim on its flats' full buffers (strategies/zero3/units.py moves it,
 through named methods only). Claims that graphs hold on a buffer are counted by the flat
-itself (strategies/flat.py: unshards still to backpropagate, pins, owned copies), so a
+itself (strategies/zero3/flat.py: unshards still to backpropagate, pins, owned copies), so a
 buffer may outlive its unit's claim, never the other way round.
 
 ===========  ==================================================================

@@ -109,7 +109,7 @@ def _library_on_stack() -> str | None:
 
 
 #: Given a placeholder, the values a computation running now binds to it (None: nothing
-#: binds it). zero3/hsdp fast weights register theirs (strategies/sharded_fast.py): within
+#: binds it). zero3/hsdp fast weights register theirs (strategies/zero3/sharded_fast.py): within
 #: a problem's computation on fast weights every path reads them, not only the units'
 #: forwards.
 RESOLVERS: list[Callable[[Any], torch.Tensor | None]] = []

@@ -17,14 +17,14 @@ program calls) and would normalise by batch statistics:
 * the model's own forward on its own parameters (or on the tensors ``bound()`` holds in
   their place: the meta engine's problems) runs on this rank's part of what may be one
   global batch, and ``sync_batchnorm`` says which: ``True`` the statistics of every rank's
-  batch together (:func:`~metadist.strategies.sync_batchnorm.global_batch_norm`, weighted by
+  batch together (:func:`~metadist.strategies.batchnorm.sync.global_batch_norm`, weighted by
   this rank's share of a ragged batch); ``False`` each rank's batch by itself, a batch of its
   own (a task, or a micro-batch); unsaid, it stops and asks;
 * inside a cooperative inner problem (``model.fast_weights()``) the group's batch, or an
   error where the strategy was not set up with ``sync_batchnorm=True``.
 
 A rank's own batch updates the running statistics as one process running the ranks' batches
-in rank order would (strategies/running_stats.py): recorded now, combined at the step.
+in rank order would (strategies/batchnorm/running_stats.py): recorded now, combined at the step.
 Left alone: evaluation with running statistics (checked only for updates not yet combined);
 metadist's own layers, which decide themselves; code being traced by ``torch.compile``.
 """
@@ -46,10 +46,10 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from metadist.strategies.batch_statistics import ask
+from metadist.strategies.batchnorm.running_stats import LEDGERS, RunningStats
+from metadist.strategies.batchnorm.statistics import ask
 from metadist.strategies.bind import explicit_parameters_active, task_active
 from metadist.strategies.cooperative import cooperation
-from metadist.strategies.running_stats import LEDGERS, RunningStats
 
 _ORIGINAL: dict[str, Callable[..., Tensor]] = {}
 _OWN: ContextVar[bool] = ContextVar("metadist_own_batch_norm", default=False)
@@ -174,7 +174,7 @@ def batch_norm(input: Tensor, running_mean: Tensor | None, running_var: Tensor |
         if owner is not None:
             owner.ledger.check_read(running_mean, running_var)
         return original(*args)
-    from metadist.strategies.sync_batchnorm import global_batch_norm
+    from metadist.strategies.batchnorm.sync import global_batch_norm
 
     factor = momentum if training and running_mean is not None else None
     cooperative = cooperation()
@@ -255,7 +255,7 @@ def own_batch(ledger: RunningStats, running_mean: Tensor | None, running_var: Te
     momentum)`` (``F.batch_norm`` in training mode on those running statistics), leaving the
     model's running statistics as they are: it runs on two fresh vectors with momentum 1,
     which torch's kernel fills with the batch's mean and unbiased variance in the same pass,
-    and the update they make is recorded for the step (strategies/running_stats.py).
+    and the update they make is recorded for the step (strategies/batchnorm/running_stats.py).
     ``as_written()``: the call as written, for running statistics that are not the model's."""
     if factor is None:
         return normalise(None, None, 0.0)

@@ -10,6 +10,9 @@ the others holds an :class:`ElsewhereGrad`: the gradient's shape, dtype and devi
   the one its step uses.
 * Anything computed from it is again a placeholder (``p.grad.norm()``, a sum over parameters
   that includes one), so a wrong partial value never exists.
+* What it is reads as for any tensor (shape, dtype, ``is_pinned()``), and the storage of
+  this rank's part is empty (``untyped_storage().nbytes()`` is 0: a memory measure counts
+  what this rank holds).
 * Reading values out of one (``.item()``, ``float()``, ``if``, ``.tolist()``, ``.numpy()``)
   or writing them into a tensor that holds values (``p.data.add_(p.grad)``,
   ``coef = max_norm / total`` used on an owned gradient) raises, naming the parameter, its
@@ -22,17 +25,22 @@ a backward accumulates there (strategies/buckets.py), and metadist's own code re
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from metadist.strategies.shard_piece import _METADATA, function_name
+from metadist.runtime.world import Group
+from metadist.strategies.tensors.shard_piece import _METADATA, function_name
+from metadist.strategies.tensors.whole_reductions import WHOLE, Span, local_caller, reduce_whole
 
 _READS = frozenset({"numpy", "tolist", "item", "__array__", "__bool__", "__float__",
-                    "__int__", "__index__", "__complex__", "data_ptr", "untyped_storage",
-                    "storage", "_typed_storage", "__dlpack__"})
+                    "__int__", "__index__", "__complex__", "data_ptr", "__dlpack__"})
+
+#: what holds this rank's part of the values: nothing (a memory measure reads 0 bytes here)
+_STORAGES = frozenset({"untyped_storage", "storage", "_typed_storage"})
 
 ADVICE = (
     "Use torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
@@ -48,17 +56,22 @@ class ElsewhereGrad(Tensor):
 
     owner: int
     param_name: str
+    group: Group
+    _metadist_span: Span | None
 
     @staticmethod
     def __new__(cls, shape: Any, dtype: torch.dtype, device: torch.device, owner: int,
-                name: str) -> ElsewhereGrad:
+                name: str, group: Group = None, whole: bool = True) -> ElsewhereGrad:
         t = Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        t.owner, t.param_name = owner, name
+        t.owner, t.param_name, t.group = owner, name, group
+        # a whole reduction of the gradient (or of a value of its shape computed from it) is
+        # its owner's, over the group (whole_reductions.py)
+        t._metadist_span = Span(group, 0, math.prod(shape)) if whole else None
         return t
 
     @staticmethod
-    def like(p: Tensor, owner: int, name: str) -> ElsewhereGrad:
-        return ElsewhereGrad(p.shape, p.dtype, p.device, owner, name)
+    def like(p: Tensor, owner: int, name: str, group: Group = None) -> ElsewhereGrad:
+        return ElsewhereGrad(p.shape, p.dtype, p.device, owner, name, group)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"ElsewhereGrad(shape={tuple(self.shape)}, dtype={self.dtype}, of the gradient "
@@ -73,6 +86,15 @@ class ElsewhereGrad(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         name = function_name(func)
+        if (name in WHOLE and not local_caller()
+                and (whole := reduce_whole(name, args, kwargs or {})) is not None):
+            return whole  # the owner's value, over the group
+        if name in _STORAGES:
+            empty = torch.UntypedStorage(0, device=_first(args, kwargs).device)
+            if name == "untyped_storage":
+                return empty
+            return torch.TypedStorage(wrap_storage=empty, dtype=_first(args, kwargs).dtype,
+                                      _internal=True)
         if name in _READS:
             raise ValueError(_message(_first(args, kwargs), f"{name.strip('_')}() reads"))
         with torch._C.DisableTorchFunctionSubclass():
@@ -101,10 +123,12 @@ class ElsewhereGrad(Tensor):
 
 
 def held_grad(p: Tensor) -> Tensor | None:
-    """``p``'s gradient where this rank holds it; None for none or a placeholder (zero2:
-    another rank owns ``p``)."""
+    """``p``'s gradient where this rank holds it (plain); None for none or a placeholder
+    (zero2: another rank owns ``p``)."""
     g = p.grad
-    return None if g is None or isinstance(g, ElsewhereGrad) else g
+    if g is None or isinstance(g, ElsewhereGrad):
+        return None
+    return g.as_subclass(Tensor) if isinstance(g, OwnedGrad) else g
 
 
 def _first(args: Any, kwargs: Any) -> ElsewhereGrad:
@@ -140,7 +164,58 @@ def _on_meta(tree: Any) -> Any:
 
 
 def _placeholder(t: Tensor, origin: ElsewhereGrad, device: Any = None) -> ElsewhereGrad:
-    return ElsewhereGrad(t.shape, t.dtype, device or origin.device, origin.owner, origin.param_name)
+    # of another shape (an index, a reduction along a dimension) the owner's value is plain,
+    # so a whole reduction of it is collective on neither side
+    return ElsewhereGrad(t.shape, t.dtype, device or origin.device, origin.owner,
+                         origin.param_name, origin.group,
+                         whole=origin._metadist_span is not None and t.shape == origin.shape)
+
+
+class OwnedGrad(Tensor):
+    """zero2: the gradient of a parameter this rank owns, and what a program computes from
+    it element by element: a plain tensor whose whole reductions (module notes) are over
+    the group, as the placeholders on the other ranks' are, so both sides' all-reduces
+    pair."""
+
+    owner: int
+    param_name: str
+    _metadist_span: Span
+
+    @staticmethod
+    def of(view: Tensor, owner: int, name: str, group: Group) -> OwnedGrad:
+        out = view.as_subclass(OwnedGrad)
+        out.owner, out.param_name = owner, name
+        out._metadist_span = Span(group, view.numel(), view.numel())
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = function_name(func)
+        local = local_caller()
+        if not local and name in WHOLE and (whole := reduce_whole(name, args, kwargs)) is not None:
+            return whole
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if local or name in _PLAIN_RESULTS:
+            return out
+        source = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, OwnedGrad))
+        inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
+        return tree_map(lambda t: OwnedGrad.of(t, source.owner, source.param_name,
+                                               source._metadist_span.group)
+                        if isinstance(t, Tensor) and id(t) not in inputs
+                        and t.shape == source.shape else t, out)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved as a plain tensor: a file loads without metadist."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return Tensor.__reduce_ex__(self.as_subclass(Tensor), protocol)
+
+
+#: calls whose results are not values computed from the gradient
+_PLAIN_RESULTS = frozenset({"__repr__", "__str__", "__format__", "grad", "backward",
+                            "__reduce_ex__", "as_subclass", "detach"})
 
 
 def _foreach(func: Any, args: Any, kwargs: Any) -> Any:

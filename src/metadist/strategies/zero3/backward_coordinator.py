@@ -15,7 +15,7 @@ import torch
 from metadist.comm.handle import Handle
 
 if TYPE_CHECKING:
-    from metadist.strategies.flat import FlatParam
+    from metadist.strategies.zero3.flat import FlatParam
 
 
 class BackwardCoordinator:

@@ -1,8 +1,8 @@
 """zero3/hsdp units: the per-unit object the model's hooks route to, and its lifetime.
 
 A :class:`Unit` is a set of modules gathered and freed together; it owns one flat shard per
-dtype, optimizer group and ``requires_grad`` (strategies/flat.py). Its state
-(strategies/unit_state.py: SHARDED, PREFETCHED, FORWARD, GATHERED, BACKWARD) changes only
+dtype, optimizer group and ``requires_grad`` (strategies/zero3/flat.py). Its state
+(strategies/zero3/unit_state.py: SHARDED, PREFETCHED, FORWARD, GATHERED, BACKWARD) changes only
 through its named methods: ``prefetch``/``cancel``, ``pre_forward``/``post_forward``
 (``close``), ``pre_backward``/``post_backward``/``reduced``/``end_backward`` (the
 end-of-backward callback), ``gather_for_step`` (root), ``after_step``. What the units of
@@ -24,7 +24,7 @@ layers reads it (the gradient of a linear layer's input is ``grad_out @ W``), so
   unit and its trainable flats have reduced, the unit's backward is over and the frozen
   flats are freed: one unit at a time, as for trainable ones;
 * a backward with ``create_graph=True`` records nodes that read the weights again in a later
-  backward: the frozen flats it reads are *pinned* (strategies/backward_holds.py) until the
+  backward: the frozen flats it reads are *pinned* (strategies/zero3/backward_holds.py) until the
   next plain backward ends (at the latest until the optimizer step). Those of the root unit
   and of ``functional_forward`` graphs, which have no per-unit post-backward, are pinned
   until the backward that reads them ends;
@@ -49,12 +49,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from metadist.strategies import agreement
-from metadist.strategies.backward_holds import BackwardHolds
 from metadist.strategies.bind import held_at, place_of, write
-from metadist.strategies.flat import FlatParam
-from metadist.strategies.foreign_runs import Placeholder
-from metadist.strategies.unit_state import TRANSITIONS, UnitState, check_transition
-from metadist.strategies.wrap import UnitPlan
+from metadist.strategies.zero3.backward_holds import BackwardHolds
+from metadist.strategies.zero3.flat import FlatParam
+from metadist.strategies.zero3.foreign_runs import Placeholder
+from metadist.strategies.zero3.unit_state import TRANSITIONS, UnitState, check_transition
+from metadist.strategies.zero3.wrap import UnitPlan
 
 _S, _P, _F, _G, _B = (UnitState.SHARDED, UnitState.PREFETCHED, UnitState.FORWARD,
                       UnitState.GATHERED, UnitState.BACKWARD)
@@ -76,7 +76,7 @@ class Schedule:
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self._order: list[Unit] = []  # the last forward's unit order: predicts the next one
         self._seen: list[Unit] = []  # this forward's order so far
-        # the last forward on fast weights' order (strategies/sharded_fast.py), kept apart:
+        # the last forward on fast weights' order (strategies/zero3/sharded_fast.py), kept apart:
         # it may run other units than the model's own forward (a loss through one block)
         self.fast_order: list[Unit] = []
         self._queued = False  # the end-of-backward callback is queued

@@ -6,11 +6,14 @@ arithmetic on them (an optimizer's update, ``p.grad.mul_(c)``, ``p.data.clamp_(-
 is what one process computes on those elements. Anything that combines elements (a norm of
 the gradients written by hand, a max, a reshape, indexing, concatenation) computes this
 rank's part instead, and nothing would show it. Guarding the entry points we thought of
-(``clip_grad_norm_``, ``get_total_norm``: strategies/grad_norm.py) left every other path
+(``clip_grad_norm_``, ``get_total_norm``: strategies/tensors/grad_norm.py) left every other path
 open, so the shard's type carries the rule instead:
 
 * the shard is a :class:`ShardParameter`, its gradient and every tensor a program computes
   from either (optimizer state included) a :class:`ShardValue`;
+* a reduction over all of a shard value's elements that needs no gradient (a norm of a
+  gradient written by hand, its largest element) is computed over the unit's parameters,
+  as one process computes it, in one all-reduce (whole_reductions.py);
 * a call a program makes whose operators combine elements raises, naming what to call
   instead (``shard_piece.ElementWise`` watches the operators torch runs; ``ACROSS`` names
   the calls that run none, such as ``numpy``); freezing some shards but not all stops at
@@ -32,18 +35,22 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from metadist.strategies.shard_piece import (
+from metadist.strategies.tensors.shard_piece import (
     ACROSS,
     ElementWise,
     internal,
     known_element_wise,
     masked_assignment,
 )
+from metadist.strategies.tensors.whole_reductions import (
+    OWNERS,
+    WHOLE,
+    carry,
+    local_caller,
+    reduce_whole,
+    span_of,
+)
 
-#: packages whose own code combines shard elements correctly (over every shard)
-_OWNERS = ("metadist.strategies.", "metadist.checkpoint.", "metadist.comm.",
-           "metadist.runtime.", "metadist.meta.", "metadist.testing", "metadist.precision",
-           "metadist.scaler")
 # Run as on plain tensors: printing, autograd's entry points, pickling, and an explicit
 # ``p.as_subclass(torch.Tensor)`` (this rank's slice, asked for by name).
 _PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "_grad", "backward",
@@ -81,7 +88,7 @@ def _called_by_owner() -> bool:
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if not (module == "torch" or module.startswith("torch.")):
-            return module.startswith(_OWNERS)
+            return module.startswith(OWNERS)
         frame = frame.f_back
     return False
 
@@ -141,6 +148,9 @@ class ShardValue(Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         plain_call = masked_assignment(name, args) or known_element_wise(name)
+        if (name in WHOLE and not local_caller()
+                and (whole := reduce_whole(name, args, kwargs)) is not None):
+            return whole  # over the unit, as one process computes it (whole_reductions.py)
         if name in ACROSS and not plain_call:
             raise ValueError(f"{name} across the elements of a zero3/hsdp shard: {_ADVICE}")
         watch = contextlib.nullcontext() if plain_call else ElementWise(
@@ -154,7 +164,9 @@ class ShardValue(Tensor):
                 raise RuntimeError(f"{e}\nOne of these tensors is a zero3/hsdp shard: "
                                    f"{_ADVICE}") from e
             raise
-        return tree_map(_as_value, out)
+        out = tree_map(_as_value, out)
+        carry(out, args, kwargs)
+        return out
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Saved as a plain tensor: a file loads without metadist (``weights_only`` too)."""
@@ -175,6 +187,8 @@ class ShardParameter(nn.Parameter, ShardValue):
             # autograd stores plain tensors: typed once, then the same object every read
             value = value.as_subclass(ShardValue)
             _GRAD.__set__(self, value)
+        if value is not None and span_of(value) is None and span_of(self) is not None:
+            value._metadist_span = span_of(self)  # type: ignore[attr-defined]
         return value
 
     @grad.setter

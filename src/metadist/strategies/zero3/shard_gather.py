@@ -16,7 +16,7 @@ their size, alive far longer, and this module prevents both:
   again: a whole model's gradient in waiting at once. So the node that produces such a
   contribution gets a hook that scatters it into a shard-sized gradient kept with the
   gather (:meth:`Gathered.divert`) and sends nothing on; the gather's backward adds it to
-  its own (strategies/sharded_fast.py). Only plain backwards divert; a backward that records
+  its own (strategies/zero3/sharded_fast.py). Only plain backwards divert; a backward that records
   a graph sends the gradient on as usual.
 """
 
@@ -32,8 +32,8 @@ from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from metadist.comm import functional, ops
-from metadist.strategies.fast_ahead import BACKWARD, Ahead, gather_now
-from metadist.strategies.flat import FlatParam
+from metadist.strategies.zero3.fast_ahead import BACKWARD, Ahead, gather_now
+from metadist.strategies.zero3.flat import FlatParam
 
 _DIVERTED = "metadist_diverted"  # node metadata: the edges whose gradient a hook diverts
 _SEARCH_DEPTH = 8  # nodes a backward formula builds between its outputs and a saved input
@@ -83,7 +83,7 @@ class Gathered:
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
         # the gathers made before and after this one in its forward (weakly: each holds its
-        # piece), and a gather of this one started ahead (strategies/fast_ahead.py)
+        # piece), and a gather of this one started ahead (strategies/zero3/fast_ahead.py)
         self.sides: dict[int, weakref.ref[Gathered]] = {}
         self.ahead: Ahead | None = None
         self.packed = False  # autograd saved a view of it: a backward gathers it again

@@ -19,8 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from metadist.comm import functional, ops
 from metadist.runtime.world import Group
-from metadist.strategies.batch_norm_calls import ledger_of, own_batch, own_call, task_ledger
-from metadist.strategies.batch_statistics import share_of
+from metadist.strategies.batchnorm.calls import ledger_of, own_batch, own_call, task_ledger
+from metadist.strategies.batchnorm.statistics import share_of
 from metadist.strategies.cooperative import cooperating_group, cooperation, uses_batch_statistics
 
 

@@ -1,13 +1,13 @@
 """``"zero3"`` / ``"fsdp"``: parameters, gradients and optimizer state sharded.
 
-Units from the wrap policy (strategies/wrap.py) each own flat shards (strategies/flat.py).
+Units from the wrap policy (wrap.py) each own flat shards (flat.py).
 Just before a unit's forward its shards are all-gathered (the next unit in the previous
 forward's order is prefetched) and its modules' parameters become views of the full buffer;
 after the forward the buffer is freed (``reshard_after_forward``). In backward a hook on the
 unit's outputs gathers it again (prefetching the unit backward reaches next), and the
 unshard's backward reduce-scatters the gradient into the shard, asynchronously.
 
-Each unit's lifetime is one state machine (strategies/unit_state.py has the table)::
+Each unit's lifetime is one state machine (strategies/zero3/unit_state.py has the table)::
 
     SHARDED ---prefetch---> PREFETCHED ---cancel---> SHARDED
     SHARDED, PREFETCHED, GATHERED, BACKWARD ---pre_forward---> FORWARD
@@ -15,11 +15,11 @@ Each unit's lifetime is one state machine (strategies/unit_state.py has the tabl
     SHARDED, GATHERED ---pre_backward---> BACKWARD ---post_backward, reduced---> SHARDED
     any ---after_step---> SHARDED
 
-The module's hooks only route to the unit's named methods (strategies/units.py: fused units,
+The module's hooks only route to the unit's named methods (strategies/zero3/units.py: fused units,
 frozen units, activation checkpointing's recomputation); graphs' claims on a buffer
 (unshards to backpropagate, pins, owned copies) are counted by its flat
-(strategies/flat.py), and buffers a backward reads that no unshard frees by
-strategies/backward_holds.py.
+(strategies/zero3/flat.py), and buffers a backward reads that no unshard frees by
+strategies/zero3/backward_holds.py.
 
 Meta-learning: ``full_parameters()`` returns the full parameters through the differentiable
 all-gather, so inner loops adapt full, local fast weights with ``create_graph=True`` and the
@@ -43,38 +43,40 @@ from torch.utils._pytree import tree_leaves
 
 from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
-from metadist.strategies import grad_norm, sharded_fast, step_chain
-from metadist.strategies.backward_coordinator import BackwardCoordinator
+from metadist.strategies import step_chain
 from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, held_at, place_of
 from metadist.strategies.compile import eager, pieces
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.deferred import DeferredSetup, broadcast_state
 from metadist.strategies.fast_weights import FastWeights, weigh_slice
-from metadist.strategies.flat import (
+from metadist.strategies.module import DistributedModule
+from metadist.strategies.placement import ModulePlacement, flat_module
+from metadist.strategies.sharded_optim import shard_optimizer
+from metadist.strategies.state_dict import ShardedStateDict, parameter_order
+from metadist.strategies.tensors import grad_norm
+from metadist.strategies.tensors.grad_norm import Split
+from metadist.strategies.tensors.shard_value import check_toggles
+from metadist.strategies.zero import clip_sharded_grads
+from metadist.strategies.zero3 import sharded_fast
+from metadist.strategies.zero3.backward_coordinator import BackwardCoordinator
+from metadist.strategies.zero3.flat import (
     FlatParam,
     Slot,
     reduced_shard_grads,
 )
-from metadist.strategies.flat_layout import FlatLayout
-from metadist.strategies.foreign_runs import (
+from metadist.strategies.zero3.flat_layout import FlatLayout
+from metadist.strategies.zero3.foreign_runs import (
     Origin,
     Placeholder,
     library_walking,
     refuse_deepcopy,
     refuse_foreign_run,
 )
-from metadist.strategies.grad_norm import Split
-from metadist.strategies.module import DistributedModule
-from metadist.strategies.placement import ModulePlacement, flat_module
-from metadist.strategies.shard_value import check_toggles
-from metadist.strategies.sharded_optim import shard_optimizer
-from metadist.strategies.state_dict import ShardedStateDict, parameter_order
-from metadist.strategies.sync_batchnorm import convert_sync_batchnorm
-from metadist.strategies.units import Schedule, Unit
-from metadist.strategies.unreached import SkipUnreached
-from metadist.strategies.wrap import UnitPlan, plan_units
-from metadist.strategies.zero import clip_sharded_grads
+from metadist.strategies.zero3.units import Schedule, Unit
+from metadist.strategies.zero3.unreached import SkipUnreached
+from metadist.strategies.zero3.wrap import UnitPlan, plan_units
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class FSDPConfig(StrategyConfig):
     #: Free a unit's full parameters after its forward (gather again in backward).
     reshard_after_forward: bool = True
     #: Gather the next unit (forward order, reversed in backward) while this one computes;
-    #: on fast weights also the next saved weight a backward reads (strategies/fast_ahead.py).
+    #: on fast weights also the next saved weight a backward reads (strategies/zero3/fast_ahead.py).
     prefetch: bool = True
     #: Keep shards, gradients and optimizer state in CPU memory; compute on the device.
     cpu_offload: bool = False
@@ -132,7 +134,7 @@ class ShardedModule(DistributedModule):
                     eager(partial(self._route_post_forward, unit, module)),
                     always_call=True))  # an exception must not leave the unit running
 
-    # ----- hooks: routed to the units (strategies/units.py) ---------------------------
+    # ----- hooks: routed to the units (strategies/zero3/units.py) ---------------------------
     @staticmethod
     def _route_pre_forward(unit: Unit, root: nn.Module, member: nn.Module,
                            args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -164,7 +166,7 @@ class ShardedModule(DistributedModule):
 
     def _check_own_run(self) -> None:
         """Only the set-up model itself runs on its shards: a copy, a clone, a patched class
-        or swapped shards are refused, naming the path (strategies/foreign_runs.py)."""
+        or swapped shards are refused, naming the path (strategies/zero3/foreign_runs.py)."""
         swapped = [name for name, shard in self.shards.named_parameters()
                    if shard is not self.flats[int(name)].shard]
         refuse_foreign_run(self, self._origin, swapped)
@@ -318,7 +320,7 @@ class ShardedModule(DistributedModule):
 
     def fast_weights(self) -> FastWeights:
         """Fast weights of a cooperative inner problem, kept as shards: this rank's slice of
-        every trainable flat (strategies/sharded_fast.py)."""
+        every trainable flat (strategies/zero3/sharded_fast.py)."""
         if self._fast_layout is None:
             self._fast_layout = sharded_fast.ShardedLayout(self.flats)
         return FastWeights(self._fast_layout, self._fast_layout.initial())
@@ -361,7 +363,7 @@ class ShardedModule(DistributedModule):
     def _fast_forward(self, fast: FastWeights, args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Any:
         """The forward on shard fast weights: each unit gathered from its piece as its
-        members run, the root unit throughout (strategies/sharded_fast.py)."""
+        members run, the root unit throughout (strategies/zero3/sharded_fast.py)."""
         with sharded_fast.fast_forward(self.module, self._pieces_of(fast), self.units[-1],
                                        self.flats):
             out = self.run(self.module, args, kwargs)

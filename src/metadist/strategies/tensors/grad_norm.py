@@ -36,7 +36,7 @@ from torch.nn.utils import clip_grad, convert_parameters
 
 from metadist.comm import ops
 from metadist.runtime.world import Group
-from metadist.strategies.shard_value import ShardValue
+from metadist.strategies.tensors.shard_value import ShardValue
 
 
 class Split(NamedTuple):

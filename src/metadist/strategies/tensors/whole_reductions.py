@@ -1,0 +1,178 @@
+"""A reduction of a whole tensor that ranks hold parts of, computed as one process computes it.
+
+[Note: whole reductions]
+A zero3/hsdp flat shard is this rank's slice of one unit's parameters laid end to end (the
+last rank's slice padded); a zero2 gradient is held whole by its parameter's owner and by no
+other rank. Either way a reduction over *all* of the tensor's elements (``g.sum()``,
+``g.norm()``, ``g.abs().max()``, ``torch.linalg.vector_norm(g)``, ``g.isfinite().all()``) has
+one meaning in one process: the same reduction over every element of the whole. So it is
+computed as that: the elements this rank holds (padding left out; none for a gradient
+another rank owns) reduced here, then combined over the group in one all-reduce, and every
+rank returns the same plain tensor. Every rank runs a program's loop over
+``model.parameters()`` alike, so the all-reduces pair. A gradient norm written by hand
+thereby equals one process's, and a logged largest gradient is the largest one.
+
+Inside an optimizer's step (torch.optim on the stack) and in metadist's own code the
+reduction stays this rank's: a zero2 optimizer steps only the parameters its rank owns, so a
+collective there would not pair, and a per-parameter norm there (LAMB) is one process's
+already; a zero3 shard's is refused there as before (shard_value.py).
+
+Only values that no gradient flows back through are reduced so (a shard's gradient, anything
+computed under ``torch.no_grad()`` or from detached values): a differentiable global value
+would send a gradient to every rank's shard from one rank's loss, which one process's
+objective does not. Reductions along a dimension, and anything else across elements, still
+stop (shard_value.py).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from metadist.comm import ops
+from metadist.comm.ops import ReduceOpName
+from metadist.runtime.world import Group
+
+#: the whole-tensor reductions computed over the whole, by torch function name
+WHOLE = frozenset({"sum", "mean", "norm", "vector_norm", "linalg_vector_norm", "amax", "amin",
+                   "max", "min", "count_nonzero", "all", "any"})
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a tensor's elements lie: the group holding it, how many of this rank's
+    elements count (the first ``valid`` of the flattened local tensor: padding and a
+    gradient another rank owns count none), and the whole tensor's size."""
+
+    group: Group
+    valid: int
+    numel: int
+
+
+#: packages whose own code works on this rank's part as it is
+OWNERS = ("metadist.strategies.", "metadist.checkpoint.", "metadist.comm.",
+          "metadist.runtime.", "metadist.meta.", "metadist.testing", "metadist.precision",
+          "metadist.scaler")
+
+
+def local_caller(skip: int = 2) -> bool:
+    """Whether the call being intercepted reads this rank's part as it is: it runs inside an
+    optimizer's step, or the first frame outside torch that led to it is metadist's own."""
+    frame: FrameType | None = sys._getframe(skip)
+    decided: bool | None = None
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.startswith("torch.optim"):
+            return True
+        if decided is None and not (module == "torch" or module.startswith("torch.")):
+            if module.startswith(OWNERS):
+                return True
+            decided = False
+        frame = frame.f_back
+    return False
+
+
+def span_of(t: Any) -> Span | None:
+    """The span a shard, its gradient or a value computed element by element from them
+    carries (None: anything else)."""
+    span = getattr(t, "_metadist_span", None)
+    return span if isinstance(span, Span) else None
+
+
+def carry(out: Any, args: Any, kwargs: Any) -> None:
+    """Give the outputs of an element-wise call the span of its first shard argument (the
+    same shape: the same elements of the same unit)."""
+    source = next((t for t in tree_flatten((args, kwargs))[0] if span_of(t) is not None), None)
+    if source is None:
+        return
+    span = span_of(source)
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, Tensor) and t is not source and t.shape == source.shape:
+            t._metadist_span = span  # type: ignore[attr-defined]
+
+
+def reduce_whole(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """``name(*args, **kwargs)`` over the whole unit where it is a whole reduction of one
+    shard value that needs no gradient (module notes); None where it is not."""
+    if name not in WHOLE or not args or not isinstance(args[0], Tensor):
+        return None
+    x, rest = args[0], args[1:]
+    span = span_of(x)
+    if span is None or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    if any(isinstance(t, Tensor) for t in tree_flatten((rest, kwargs))[0]):
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        local = (x.detach().as_subclass(Tensor).reshape(-1)[:span.valid] if span.valid
+                 else torch.empty(0, dtype=x.dtype, device=x.device))
+        return _reduce(name, local, rest, kwargs, span)
+
+
+def _reduce(name: str, v: Tensor, rest: tuple[Any, ...], kwargs: dict[str, Any],
+            span: Span) -> Tensor | None:
+    options = dict(kwargs)
+    if options.pop("dim", None) is not None or options.pop("keepdim", False):
+        return None
+    match name:
+        case "sum" | "mean":
+            if rest:
+                return None
+            dtype = options.pop("dtype", None)
+            if options:
+                return None
+            total = _all_reduce(v.sum(dtype=dtype) if dtype is not None else v.sum(), "sum", span)
+            return total / span.numel if name == "mean" else total
+        case "norm" | "vector_norm" | "linalg_vector_norm":
+            p = rest[0] if rest else options.pop("p", options.pop("ord", 2))
+            dtype = options.pop("dtype", None)
+            if len(rest) > 1 or options:
+                return None
+            return _norm(v if dtype is None else v.to(dtype), p, span)
+        case "amax" | "amin" | "max" | "min":
+            if rest or options:
+                return None
+            largest = name in ("amax", "max")
+            empty = torch.tensor(-math.inf if largest else math.inf, dtype=v.dtype,
+                                 device=v.device)
+            part = (v.amax() if largest else v.amin()) if v.numel() else empty
+            return _all_reduce(part, "max" if largest else "min", span)
+        case "count_nonzero":
+            if rest or options:
+                return None
+            return _all_reduce(torch.count_nonzero(v), "sum", span)
+        case "all" | "any":
+            if rest or options:
+                return None
+            part = (v.all() if name == "all" else v.any()).to(torch.int32)
+            return _all_reduce(part, "min" if name == "all" else "max", span).to(torch.bool)
+    return None
+
+
+def _norm(v: Tensor, p: Any, span: Span) -> Tensor | None:
+    if p == "fro":
+        p = 2
+    if not isinstance(p, int | float) or isinstance(p, bool):
+        return None
+    a = v.abs()
+    if p == math.inf:
+        part = a.amax() if a.numel() else torch.zeros((), dtype=a.dtype, device=a.device)
+        return _all_reduce(part, "max", span)
+    if p == -math.inf or p < 0:
+        return None
+    if p == 0:
+        return _all_reduce(torch.count_nonzero(v).to(v.dtype), "sum", span)
+    total = _all_reduce(a.pow(p).sum(), "sum", span)
+    return total.sqrt() if p == 2 else total.pow(1.0 / p)
+
+
+def _all_reduce(t: Tensor, op: ReduceOpName, span: Span) -> Tensor:
+    t = t.clone()
+    ops.all_reduce(t, op, group=span.group)
+    return t

@@ -34,7 +34,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from metadist.runtime.world import Group
 from metadist.strategies.tensors.shard_piece import _METADATA, function_name
-from metadist.strategies.tensors.whole_reductions import WHOLE, Span, local_caller, reduce_whole
+from metadist.strategies.tensors.whole_reductions import (
+    READS,
+    WHOLE,
+    Span,
+    local_caller,
+    read_whole,
+    reduce_whole,
+)
 
 _READS = frozenset({"numpy", "tolist", "item", "__array__", "__bool__", "__float__",
                     "__int__", "__index__", "__complex__", "data_ptr", "__dlpack__"})
@@ -66,7 +73,7 @@ class ElsewhereGrad(Tensor):
         t.owner, t.param_name, t.group = owner, name, group
         # a whole reduction of the gradient (or of a value of its shape computed from it) is
         # its owner's, over the group (whole_reductions.py)
-        t._metadist_span = Span(group, 0, math.prod(shape)) if whole else None
+        t._metadist_span = Span(group, 0, math.prod(shape), owner) if whole else None
         return t
 
     @staticmethod
@@ -78,7 +85,10 @@ class ElsewhereGrad(Tensor):
                 f"of {self.param_name!r}: kept by rank {self.owner})")
 
     def __format__(self, spec: str) -> str:
-        if spec:  # a number's format: its value
+        if spec:  # a number's format: its owner's value, or a refusal
+            done, value = read_whole("__format__", (self, spec), {})
+            if done:
+                return str(value)
             raise ValueError(_message(self, f"format(..., {spec!r}) reads"))
         return repr(self)
 
@@ -86,9 +96,15 @@ class ElsewhereGrad(Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         name = function_name(func)
-        if (name in WHOLE and not local_caller()
-                and (whole := reduce_whole(name, args, kwargs or {})) is not None):
-            return whole  # the owner's value, over the group
+        if name in WHOLE or name in READS:
+            local = local_caller()
+            if (not local and name in WHOLE
+                    and (whole := reduce_whole(name, args, kwargs or {})) is not None):
+                return whole  # the owner's value, over the group
+            if not local and name in READS:
+                done, value = read_whole(name, args, kwargs or {})
+                if done:
+                    return value
         if name in _STORAGES:
             empty = torch.UntypedStorage(0, device=_first(args, kwargs).device)
             if name == "untyped_storage":
@@ -185,7 +201,7 @@ class OwnedGrad(Tensor):
     def of(view: Tensor, owner: int, name: str, group: Group) -> OwnedGrad:
         out = view.as_subclass(OwnedGrad)
         out.owner, out.param_name = owner, name
-        out._metadist_span = Span(group, view.numel(), view.numel())
+        out._metadist_span = Span(group, view.numel(), view.numel(), owner)
         return out
 
     @classmethod
@@ -196,6 +212,10 @@ class OwnedGrad(Tensor):
         local = local_caller()
         if not local and name in WHOLE and (whole := reduce_whole(name, args, kwargs)) is not None:
             return whole
+        if not local and name in READS:
+            done, value = read_whole(name, args, kwargs)
+            if done:  # joins the broadcast its placeholders wait in
+                return value
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if local or name in _PLAIN_RESULTS:

@@ -5,13 +5,14 @@ gradient is kept only by the rank that owns its parameter: a norm of the gradien
 holds is that rank's part of the norm one process computes. Once such a model is set up,
 metadist makes torch's utilities say so or compute the global value:
 
-* ``torch.nn.utils.get_total_norm`` over shard gradients, and ``clip_grad_norm_`` (every
+* ``torch.nn.utils.get_total_norm`` over shard gradients or zero2 gradients (every rank
+  passes the same ones: the owner's gradient, or the placeholder where another rank owns
+  it), and ``clip_grad_norm_`` (every
   reference to it: its total norm is looked up at call time) over shards or zero2
   parameters, return the norm of exactly the tensors given, across ranks (a collective),
   and clip with it. ``clip_grad_value_`` and ``clip_grads_with_norm_`` act element by element
   and are exact on shards as they are.
-* ``get_total_norm`` over zero2 gradients (ranks hold different ones, so they cannot agree on
-  a collective), ``parameters_to_vector`` / ``vector_to_parameters`` over shards or their
+* ``parameters_to_vector`` / ``vector_to_parameters`` over shards or their
   gradients, and ``clip_grad_norm_`` / ``clip_grad_value_`` over ``model.module.parameters()``
   under zero3 (which yields placeholders, with no values or gradients: the parameters are
   the shards) raise, naming what to call instead.
@@ -199,12 +200,8 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     if not found:
         result: torch.Tensor = _ORIGINAL["total"](listed, norm_type, error_if_nonfinite, foreach)
         return result
-    if not all(s.shard for s in found):
-        raise RuntimeError(
-            "torch.nn.utils.get_total_norm over zero2 gradients: each is kept only by the "
-            "rank that owns its parameter, so the gradients a rank holds give a part of the "
-            "norm, and ranks holding different ones cannot add them up here; use "
-            f"{_CLIP} (both give the global norm)")
+    # zero2: every rank passes the same gradients (the owner's, or a placeholder where
+    # another rank owns it), so each group's all-reduce pairs and each counts once
     total = _norm_parts(parts, float(norm_type), listed[0].device)
     return _finish(total, listed[0], norm_type, error_if_nonfinite)
 

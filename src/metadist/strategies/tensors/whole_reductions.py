@@ -54,6 +54,8 @@ class Span:
     group: Group
     valid: int
     numel: int
+    #: the group rank that holds the whole (zero2's owner); None where ranks hold slices
+    owner: int | None = None
 
 
 #: packages whose own code works on this rank's part as it is
@@ -96,6 +98,27 @@ def carry(out: Any, args: Any, kwargs: Any) -> None:
     for t in tree_flatten(out)[0]:
         if isinstance(t, Tensor) and t is not source and t.shape == source.shape:
             t._metadist_span = span  # type: ignore[attr-defined]
+
+
+#: reads of a tensor's values answered, where one rank holds the whole, with its values
+READS = frozenset({"item", "tolist", "numpy", "__array__", "__float__", "__int__", "__bool__",
+                   "__index__", "__complex__", "__format__"})
+
+
+def read_whole(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
+    """``(True, value)``: ``name`` read from the owner's values of a tensor one rank holds
+    whole (a zero2 gradient, or a value of its shape computed from it), broadcast to every
+    rank; ``(False, None)`` where it is not such a read."""
+    x = args[0] if args else None
+    span = span_of(x)
+    if (name not in READS or span is None or span.owner is None or not isinstance(x, Tensor)
+            or (x.requires_grad and torch.is_grad_enabled())):
+        return False, None
+    with torch._C.DisableTorchFunctionSubclass():
+        values = (x.detach().as_subclass(Tensor).contiguous().clone() if span.valid
+                  else torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device))
+    ops.broadcast(values, span.owner, group=span.group)
+    return True, getattr(values, name)(*args[1:], **kwargs)
 
 
 def reduce_whole(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:

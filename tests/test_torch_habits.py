@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import metadist
-from metadist.strategies.base import available
 from metadist.strategies.dp import DataParallelModule
+from metadist.strategies.registry import available
 from metadist.testing import run_on_ranks
 
 D = 8

@@ -10,7 +10,7 @@ from typing import Any
 from metadist.meta.hypergrad import HypergradConfig
 from metadist.meta.methods import hypergradient_method
 from metadist.precision import Precision
-from metadist.strategies.base import canonical as canonical_strategy
+from metadist.strategies.registry import canonical as canonical_strategy
 
 LOGGERS = ("none", "stdout", "tensorboard", "csv")
 MODES = ("min", "max")
@@ -111,7 +111,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from metadist.strategies.base import available
+        from metadist.strategies.registry import available
 
         if canonical_strategy(self.strategy) not in available():
             raise ValueError(f"strategy {self.strategy!r} is not known; choose one of: "

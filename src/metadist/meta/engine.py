@@ -40,8 +40,8 @@ from metadist.meta.loggers import make_logger
 from metadist.meta.methods import hypergradient_method
 from metadist.meta.problem import Problem, loss_of
 from metadist.runtime.world import init
-from metadist.strategies.base import strategy as make_strategy
 from metadist.strategies.fast_weights import FastWeights
+from metadist.strategies.registry import strategy as make_strategy
 
 Dependencies = Mapping[str, Mapping[Problem | str, Sequence[Problem | str] | Problem | str]]
 _UNSET = object()

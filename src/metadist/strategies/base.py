@@ -1,9 +1,9 @@
-"""The Strategy interface and the name registry behind ``metadist.strategy(name, **options)``.
+"""The Strategy interface (its registry, ``metadist.strategy(name, **options)``: registry.py).
 
 A strategy turns a user's module, optimizer and data loader into their distributed versions
 (``setup``) and owns what happens between forward and ``optimizer.step()``: gradient
 synchronisation, accumulation, clipping, metrics. Each strategy lives in its own file with a
-frozen dataclass of options; registering it here makes its name (and aliases) available.
+frozen dataclass of options; registering it makes its name (and aliases) available.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,64 +33,7 @@ from metadist.strategies.batchnorm import calls as batch_norm_calls
 from metadist.strategies.batchnorm import statistics as batch_statistics
 from metadist.strategies.compile import compile_setup, take_compile
 from metadist.strategies.module import DistributedModule
-from metadist.strategies.options import check_foreign, options_of
 from metadist.strategies.tensors import grad_norm
-
-_REGISTRY: dict[str, type[Strategy]] = {}
-_ALIASES: dict[str, str] = {}
-
-S = TypeVar("S", bound="type[Strategy]")
-
-
-def register(name: str, *aliases: str) -> Callable[[S], S]:
-    """Class decorator: make a strategy available under ``name`` and ``aliases``."""
-    def decorate(cls: S) -> S:
-        cls.name = name
-        _REGISTRY[name] = cls
-        for alias in aliases:
-            _ALIASES[alias] = name
-        return cls
-
-    return decorate
-
-
-_ORDER = ("single", "dp", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
-
-
-def available() -> list[str]:
-    """Every strategy name and alias, from the least to the most sharded."""
-    names = [*_REGISTRY, *_ALIASES]
-    return sorted(names, key=lambda n: (_ORDER.index(n) if n in _ORDER else len(_ORDER), n))
-
-
-def canonical(name: str) -> str:
-    """The registered name an alias stands for (``"distributed"`` -> ``"ddp"``)."""
-    return _ALIASES.get(name, name)
-
-
-def strategy(name: str, **options: Any) -> Strategy:
-    """Build a configured strategy: ``metadist.strategy("ddp", bucket_cap_mb=50)``.
-
-    Another strategy's options are accepted, checked and ignored (strategies/options.py),
-    so that switching strategy is a change of name; a name no strategy has raises."""
-    key = _ALIASES.get(name, name)
-    cls = _REGISTRY.get(key)
-    if cls is None:
-        raise ValueError(f"strategy {name!r} is not known; choose one of: {', '.join(available())}")
-    fields = {f.name for f in dataclasses.fields(cls.Config)}
-    ordered = sorted(_REGISTRY, key=lambda n: _ORDER.index(n) if n in _ORDER else len(_ORDER))
-    owners = options_of((n, _REGISTRY[n].Config) for n in ordered)
-    unknown = sorted(set(options) - fields - set(owners))
-    if unknown:
-        others = sorted(set(owners) - fields)
-        raise ValueError(
-            f"strategy {key!r} has no option(s) {', '.join(map(repr, unknown))}, and no other "
-            f"strategy has; valid options: {', '.join(sorted(fields)) or '(none)'}"
-            + (f" (other strategies' options, accepted and ignored here: {', '.join(others)})"
-               if others else ""))
-    for option in sorted(set(options) - fields):
-        check_foreign(key, option, options[option], owners[option])
-    return cls(cls.Config(**{k: v for k, v in options.items() if k in fields}))
 
 
 def _check_optimizer_matches(model: nn.Module, optimizer: Optimizer) -> None:

@@ -15,10 +15,11 @@ from torch.optim import Optimizer
 
 from metadist.comm import fused
 from metadist.strategies import step_chain
-from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.base import Strategy, StrategyConfig
 from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.module import DistributedModule
+from metadist.strategies.registry import register
 
 
 @dataclass(frozen=True)

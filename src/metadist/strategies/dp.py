@@ -14,10 +14,11 @@ from torch.nn.parallel import gather, parallel_apply, replicate
 from torch.nn.parallel.scatter_gather import scatter_kwargs
 from torch.optim import Optimizer
 
-from metadist.strategies.base import Strategy, register
+from metadist.strategies.base import Strategy
 from metadist.strategies.batchnorm.statistics import plain_batchnorms
 from metadist.strategies.ddp import move_optimizer_state
 from metadist.strategies.module import DistributedModule
+from metadist.strategies.registry import register
 
 
 class DataParallelModule(DistributedModule):

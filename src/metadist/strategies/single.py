@@ -5,10 +5,11 @@ from __future__ import annotations
 from torch import nn
 from torch.optim import Optimizer
 
-from metadist.strategies.base import Strategy, register
+from metadist.strategies.base import Strategy
 from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.ddp import ReplicatedModule, move_optimizer_state
 from metadist.strategies.module import DistributedModule
+from metadist.strategies.registry import register
 
 
 @register("single", "default")

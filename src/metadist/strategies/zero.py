@@ -28,11 +28,11 @@ from metadist.comm import ops
 from metadist.comm.handle import Handle
 from metadist.runtime.world import Group
 from metadist.strategies import step_chain
-from metadist.strategies.base import register
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.ddp import DDPConfig, DDPStrategy, ReplicatedModule, prepare_replicated
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import OptimizerPlacement, Stepped, whole_tensor
+from metadist.strategies.registry import register
 from metadist.strategies.sharded_optim import OptimizerLayout, shard_optimizer
 from metadist.strategies.tensors.grad_norm import Split
 

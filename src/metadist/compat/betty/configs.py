@@ -12,8 +12,8 @@ from typing import Any
 
 from metadist.compat.betty.hypergradient import BETTY_TYPES
 from metadist.precision import canonical as canonical_precision
-from metadist.strategies.base import available
-from metadist.strategies.base import canonical as canonical_strategy
+from metadist.strategies.registry import available
+from metadist.strategies.registry import canonical as canonical_strategy
 
 TYPES = tuple(BETTY_TYPES)  # Betty's names of the best-response methods
 

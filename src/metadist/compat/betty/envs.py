@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
-from metadist.strategies.base import strategy as make_strategy
+from metadist.strategies.registry import strategy as make_strategy
 
 
 class Env:

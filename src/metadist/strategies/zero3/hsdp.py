@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import metadist.runtime.world as _world
 from metadist.runtime.world import Group
-from metadist.strategies.base import register
+from metadist.strategies.registry import register
 from metadist.strategies.zero3.strategy import Zero3Strategy
 
 

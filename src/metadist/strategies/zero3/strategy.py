@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_leaves
 from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
 from metadist.strategies import step_chain
-from metadist.strategies.base import Strategy, StrategyConfig, register
+from metadist.strategies.base import Strategy, StrategyConfig
 from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, held_at, place_of
 from metadist.strategies.compile import eager, pieces
@@ -53,6 +53,7 @@ from metadist.strategies.deferred import DeferredSetup, broadcast_state
 from metadist.strategies.fast_weights import FastWeights, weigh_slice
 from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import ModulePlacement, flat_module
+from metadist.strategies.registry import register
 from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.tensors import grad_norm

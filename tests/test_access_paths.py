@@ -177,5 +177,5 @@ def _method_outside_the_forward() -> str:
 
 def test_zero3_parameter_read_outside_its_forward_says_what_to_read() -> None:
     for message in run_on_ranks(_method_outside_the_forward, 2):
-        assert "'lin.weight' of the set-up model has no values here" in message
+        assert "sum of 'lin.weight' reads or combines all of the parameter's elements" in message
         assert "model.full_parameters()['lin.weight']" in message

@@ -277,7 +277,7 @@ def _penalty(options: dict[str, Any]) -> dict[str, Any]:
     s = metadist.strategy("zero3", min_unit_params=10, **options)
     model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=1e-2))
     assert isinstance(model, ShardedModule)
-    shards = [p for p in model.parameters() if p.requires_grad]
+    shards = [p for p in model.parameters() if p.requires_grad]  # slices of the shards
     after = []
     for x, y in _data():
         xs, ys = x.chunk(w.world_size)[w.rank], y.chunk(w.world_size)[w.rank]

@@ -187,7 +187,7 @@ class Problem(ABC):
         self._names = frozenset(n for n, _ in trainable_slots(module.module))
         # the same leaf tensors for the life of the setup (inside bound() the module holds
         # others)
-        self._trainable = [t for t in module.parameters() if t.requires_grad]
+        self._trainable = [t for t in module.graph_leaves() if t.requires_grad]
         if isinstance(self.train_data_loader, DataLoader):
             # Other iterables are read as they are: sharding them is up to the user.
             self.train_data_loader = strategy.setup_dataloader(self.train_data_loader,

@@ -250,7 +250,8 @@ class Strategy(ABC):
         if module.split_gradients():  # torch's clip_grad_norm_ & co. must see the parts
             grad_norm.track(module)
         agreement.mark_set_up(module.module, self.name)
-        ownership.claim(module.parameters(), self.name, self._optimizer_needed())
+        ownership.claim([*module.parameters(), *module.graph_leaves()], self.name,
+                        self._optimizer_needed())
         return module
 
     def _batch_parts(self, module: DistributedModule) -> int:

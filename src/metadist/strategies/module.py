@@ -63,7 +63,8 @@ class DistributedModule(nn.Module):
         not follow: the next backward would fail far from the call, or train on mixed
         dtypes."""
         bound = self._dtype_bound_state()
-        floating = {(t.dtype, t.device) for t in (*self.parameters(), *self.buffers())
+        floating = {(t.dtype, t.device) for t in (*self.parameters(), *self.graph_leaves(),
+                                                  *self.buffers())
                     if t.is_floating_point()} if bound is not None else set()
         for dtype, device in sorted(floating, key=str):
             to = fn(torch.empty(0, dtype=dtype, device=device)).dtype
@@ -94,13 +95,6 @@ class DistributedModule(nn.Module):
             if inner is None or name.startswith("_"):
                 raise
             value = getattr(inner, name)
-            if isinstance(value, torch.Tensor) and value.is_meta:
-                # zero3/hsdp: between forwards the user's module holds placeholders, and a
-                # read or an in-place write (``.data.zero_()``) would silently do nothing.
-                raise RuntimeError(
-                    f"{name!r} of the set-up module is sharded across ranks and has no values "
-                    f"between forwards; read it with model.full_parameters()[{name!r}] and "
-                    "change it with model.load_state_dict({...}) (every rank)") from None
             return value
 
     # A container module (nn.Sequential, ModuleList, ModuleDict) reads as itself through the
@@ -284,6 +278,12 @@ class DistributedModule(nn.Module):
         computes, and how the parts add up (zero2, zero3, hsdp); torch's gradient utilities
         read it (strategies/tensors/grad_norm.py). Default: none, every gradient is whole."""
         return {}
+
+    def graph_leaves(self) -> list[torch.Tensor]:
+        """The leaf tensors a backward through this module accumulates into, which a set-up
+        optimizer steps: ``parameters()``, except under zero3/hsdp (the flat shards behind
+        them)."""
+        return list(self.parameters())
 
     def placements(self) -> ModulePlacement:
         """Where each tensor of the user's module's state dict lives on this rank

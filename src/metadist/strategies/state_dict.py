@@ -28,7 +28,7 @@ from torch import nn
 from metadist.comm import ops
 from metadist.strategies.placement import flat_part, paste
 from metadist.strategies.zero3.flat import FlatParam
-from metadist.strategies.zero3.foreign_runs import Placeholder, resolved
+from metadist.strategies.zero3.sharded_param import ShardedParam, resolved
 
 FlatRef = tuple[str, FlatParam, int]  # (attribute, flat, slot index)
 
@@ -86,6 +86,13 @@ class ShardedStateDict:
             if m in self.own:
                 self.handles.append(m.register_load_state_dict_pre_hook(load))
                 self.handles.append(m.register_load_state_dict_post_hook(loaded))
+
+    def moved(self, where: dict[tuple[FlatParam, int], tuple[FlatParam, int]]) -> None:
+        """Parameters moved to other flats (strategies/zero3/regroup.py): (old flat, slot)
+        -> (new flat, slot)."""
+        for entries in self.own.values():
+            entries[:] = [(attr, *where.get((flat, i), (flat, i))) for attr, flat, i in entries]
+        self._close()
 
     # ----- saving -----------------------------------------------------------------------
     def _enter(self, module: nn.Module, keep_vars: bool) -> None:
@@ -222,7 +229,7 @@ def _ours(held: Any, flat: FlatParam, i: int) -> bool:
     """Whether a module's registry entry for parameter ``i`` of ``flat`` is the strategy's
     (a placeholder, a view of the gathered buffer, fast weights bound for a computation),
     so the state dict takes the shards' values; otherwise the caller bound it explicitly."""
-    if isinstance(held, Placeholder) or resolved((flat, i)) is not None:
+    if isinstance(held, ShardedParam) or resolved((flat, i)) is not None:
         return True
     return (isinstance(held, torch.Tensor) and flat.gathered and not held.is_meta
             and held.untyped_storage().data_ptr() == flat.full.untyped_storage().data_ptr())

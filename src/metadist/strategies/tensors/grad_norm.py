@@ -1,7 +1,7 @@
 """torch's gradient utilities on gradients that are split across ranks.
 
-Under zero3/hsdp ``model.parameters()`` are this rank's flat shards, and under zero2 a
-gradient is kept only by the rank that owns its parameter: a norm of the gradients one rank
+Under zero3/hsdp a rank holds a slice of every parameter and of its gradient, and under
+zero2 a gradient is kept only by the rank that owns its parameter: a norm of the gradients one rank
 holds is that rank's part of the norm one process computes. Once such a model is set up,
 metadist makes torch's utilities say so or compute the global value:
 
@@ -11,11 +11,9 @@ metadist makes torch's utilities say so or compute the global value:
   reference to it: its total norm is looked up at call time) over shards or zero2
   parameters, return the norm of exactly the tensors given, across ranks (a collective),
   and clip with it. ``clip_grad_value_`` and ``clip_grads_with_norm_`` act element by element
-  and are exact on shards as they are.
-* ``parameters_to_vector`` / ``vector_to_parameters`` over shards or their
-  gradients, and ``clip_grad_norm_`` / ``clip_grad_value_`` over ``model.module.parameters()``
-  under zero3 (which yields placeholders, with no values or gradients: the parameters are
-  the shards) raise, naming what to call instead.
+  and are exact on slices as they are.
+* ``parameters_to_vector`` / ``vector_to_parameters`` over zero3/hsdp parameters or
+  their gradients raise, naming what to call instead (the vector would be this rank's).
 
 Everything else passes through to torch unchanged. A module declares its split gradients
 with ``split_gradients()``; :func:`track` registers it (weakly) and installs the wrappers.
@@ -32,7 +30,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
-from torch import nn
 from torch.nn.utils import clip_grad, convert_parameters
 
 from metadist.comm import ops
@@ -56,8 +53,6 @@ class SplitSource(Protocol):
 
 
 _TRACKED: weakref.WeakSet[Any] = weakref.WeakSet()
-#: user modules whose parameters live in shards (zero3/hsdp): their parameters() is empty
-_EMPTIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _STATIC: weakref.WeakKeyDictionary[Any, dict[int, Split]] = weakref.WeakKeyDictionary()
 _ORIGINAL: dict[str, Any] = {}
 _CLIP = ("torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
@@ -70,9 +65,9 @@ def track(source: SplitSource) -> None:
     _install()
 
 
-def emptied(modules: Iterable[nn.Module]) -> None:
-    """``modules`` hold no parameters while set up (the shards do)."""
-    _EMPTIED.update(modules)
+def forget(source: SplitSource) -> None:
+    """``source``'s split gradients changed (zero3's flats were regrouped)."""
+    _STATIC.pop(source, None)
 
 
 def _install() -> None:
@@ -86,8 +81,6 @@ def _install() -> None:
         (torch.nn.utils, "get_total_norm", "total", get_total_norm),
         (clip_grad, "clip_grad_norm_", "clip", clip_grad_norm_),
         (torch.nn.utils, "clip_grad_norm_", "clip", clip_grad_norm_),
-        (clip_grad, "clip_grad_value_", "value", clip_grad_value_),
-        (torch.nn.utils, "clip_grad_value_", "value", clip_grad_value_),
         (clip_grad, "_group_tensors_by_device_and_dtype", "group", _group_guard),
         (convert_parameters, "_check_param_device", "check", _check_param_device),
     ]
@@ -206,36 +199,9 @@ def get_total_norm(tensors: torch.Tensor | Iterable[torch.Tensor], norm_type: fl
     return _finish(total, listed[0], norm_type, error_if_nonfinite)
 
 
-def _refuse_emptied(parameters: Any, name: str) -> None:
-    """``model.module.parameters()`` under zero3 yields placeholders (the values are shards),
-    so clipping it would silently do nothing."""
-    if not (_EMPTIED and isinstance(parameters, types.GeneratorType)):
-        return
-    frame = parameters.gi_frame
-    if frame is None or parameters.gi_code not in (nn.Module.parameters.__code__,
-                                                    nn.Module.named_parameters.__code__):
-        return
-    owner = frame.f_locals.get("self")
-    if not isinstance(owner, nn.Module):
-        return
-    recurse = frame.f_locals.get("recurse", True)
-    if not any(m in _EMPTIED for m in (owner.modules() if recurse else (owner,))):
-        return
-    splits = _splits()
-    if not any(id(p) in splits for p in owner.parameters(recurse=recurse)):  # not the wrapper
-        raise RuntimeError(
-            f"torch.nn.utils.{name} over {type(owner).__name__}.parameters() of a zero3/hsdp "
-            "model: your module holds placeholders, not values or gradients, while set up "
-            "(they are flat shards, which model.parameters() yields), so nothing would be "
-            "clipped; use "
-            + (_CLIP if name == "clip_grad_norm_" else
-               "torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)"))
-
-
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
-    _refuse_emptied(parameters, "clip_grad_norm_")
     generator = isinstance(parameters, types.GeneratorType)
     listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     splits = _splits() if _TRACKED else {}
@@ -254,12 +220,6 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         total = _finish(total, like, norm_type, error_if_nonfinite)
         torch.nn.utils.clip_grads_with_norm_(listed, max_norm, total, foreach)
     return total
-
-
-def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float,
-                     foreach: bool | None = None) -> None:
-    _refuse_emptied(parameters, "clip_grad_value_")
-    _ORIGINAL["value"](parameters, clip_value, foreach)
 
 
 def _group_guard(tensorlistlist: Any, with_indices: bool = False) -> Any:
@@ -283,8 +243,8 @@ def _check_param_device(param: torch.Tensor, old_param_device: int | None) -> in
         if split is not None and split.shard:
             raise RuntimeError(
                 "parameters_to_vector / vector_to_parameters over model.parameters() of a "
-                "zero3/hsdp model: those are this rank's flat, padded shards, not your "
-                "parameters; use torch.cat([p.reshape(-1) for p in "
+                "zero3/hsdp model: this rank holds a slice of each parameter, so the vector "
+                "would be this rank's; use torch.cat([p.reshape(-1) for p in "
                 "model.full_parameters().values()]) for the full vector (a collective), and "
                 "model.load_state_dict to change parameters")
         # Gradients change every step, so finding them costs a pass over the tracked

@@ -1,7 +1,8 @@
-"""zero3/hsdp shards as the user sees them: element-wise arithmetic only.
+"""zero3/hsdp slices as the user sees them: element-wise arithmetic and whole reductions.
 
-Under zero3/fsdp/hsdp ``model.parameters()`` yields this rank's flat shards of whole units
-(several parameters each, padded), and ``p.grad`` a shard of their gradient. Element-wise
+Under zero3/fsdp/hsdp a rank holds a slice of each parameter (strategies/zero3/
+sharded_param.py: ``model.parameters()`` runs computations on it), inside flat shards of
+whole units (several parameters each, padded), and of its gradient. Element-wise
 arithmetic on them (an optimizer's update, ``p.grad.mul_(c)``, ``p.data.clamp_(-c, c)``)
 is what one process computes on those elements. Anything that combines elements (a norm of
 the gradients written by hand, a max, a reshape, indexing, concatenation) computes this
@@ -27,8 +28,6 @@ open, so the shard's type carries the rule instead:
 from __future__ import annotations
 
 import contextlib
-import sys
-from types import FrameType
 from typing import Any
 
 import torch
@@ -43,8 +42,8 @@ from metadist.strategies.tensors.shard_piece import (
     masked_assignment,
 )
 from metadist.strategies.tensors.whole_reductions import (
-    OWNERS,
     WHOLE,
+    called_by_owner,
     carry,
     local_caller,
     reduce_whole,
@@ -56,15 +55,13 @@ from metadist.strategies.tensors.whole_reductions import (
 _PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "_grad", "backward",
                     "__reduce_ex__", "as_subclass"})
 _ADVICE = (
-    "under zero3/fsdp/hsdp model.parameters() yields this rank's flat shards of whole units "
-    "(several parameters each, padded), not your parameters, and p.grad a shard of their "
-    "gradient, so it would compute this rank's part, not what one process computes. Use "
-    "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
-    "strategy.clip_grad_norm_(model, max_norm) for the gradient norm (a collective), "
-    "model.full_parameters() for whole parameters by name (a collective), "
-    "model.state_dict() for values and the optimizer's weight_decay for an L2 penalty; "
-    "element-wise arithmetic on shards (p.grad.mul_(c), "
-    "p.data.clamp_(-c, c)) is exact as it is")
+    "under zero3/fsdp/hsdp each rank holds a slice of every parameter, of its gradient and "
+    "of its optimizer state, so it would compute this rank's part, not what one process "
+    "computes. Element-wise arithmetic (p.grad.mul_(c), p.data.clamp_(-c, c)) and whole "
+    "reductions of values without a gradient (p.grad.norm(), p.abs().max()) are exact as "
+    "they are; use torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) for "
+    "clipping, model.full_parameters() for whole parameters by name (a collective), "
+    "model.state_dict() for values and the optimizer's weight_decay for an L2 penalty")
 
 _AMP_ADVICE = (
     "torch's GradScaler looks for inf/nan in this rank's shards alone, so ranks whose shards "
@@ -79,18 +76,6 @@ def _name(func: Any) -> str:
         prop = getattr(getattr(func, "__self__", None), "__name__", name)
         return f"{prop}=" if name == "__set__" else prop
     return name
-
-
-def _called_by_owner() -> bool:
-    """Whether the first frame outside torch that led here belongs to a package that owns
-    shards (this function's and ``__torch_function__``'s frames skipped)."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if not (module == "torch" or module.startswith("torch.")):
-            return module.startswith(OWNERS)
-        frame = frame.f_back
-    return False
 
 
 def _as_value(t: Any) -> Any:
@@ -112,26 +97,9 @@ def _has_plain_tensor(args: Any, kwargs: Any) -> bool:
     return found
 
 
-def check_toggles(shards: list[ShardParameter], at_setup: list[bool]) -> None:
-    """Before a forward: the shards' ``requires_grad`` as at setup, or all alike.
-
-    Freezing a shard freezes every parameter of its unit. Freezing or unfreezing all of
-    them (``model.requires_grad_(False)``, a GAN's loop over the discriminator's
-    parameters) is one process's freeze; freezing some by position in
-    ``model.parameters()`` would freeze other parameters than one process does."""
-    flags = [s.requires_grad for s in shards]
-    if flags == at_setup or all(flags) or not any(flags):
-        return
-    changed = [i for i, (now, then) in enumerate(zip(flags, at_setup, strict=True))
-               if now != then]
-    raise ValueError(
-        f"requires_grad was changed on some of the zero3/hsdp shards of model.parameters() "
-        f"(positions {changed}): a shard holds slices of every parameter of its unit, so "
-        "this freezes other parameters than the same positions do in one process. Freeze "
-        "or unfreeze all of model.parameters() (model.requires_grad_(False)), or freeze the "
-        "parameters on your module before setup (net.layer.requires_grad_(False)): zero3 "
-        "keeps frozen parameters in units of their own")
-
+#: types whose ``__torch_function__`` decides a call they appear in (zero3's parameters,
+#: strategies/zero3/sharded_param.py, which then run it on slices of the shards)
+DEFERS_TO: tuple[type, ...] = ()
 
 _GRAD: Any = vars(torch._C.TensorBase)["grad"]  # the descriptor autograd's gradient is behind
 
@@ -142,9 +110,11 @@ class ShardValue(Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        if DEFERS_TO and any(issubclass(t, DEFERS_TO) for t in types):
+            return NotImplemented  # a zero3 parameter in the call: its type decides
         kwargs = kwargs or {}
         name = _name(func)
-        if name in _PLAIN or internal() or _called_by_owner():
+        if name in _PLAIN or internal() or called_by_owner():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         plain_call = masked_assignment(name, args) or known_element_wise(name)

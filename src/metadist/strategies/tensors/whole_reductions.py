@@ -64,19 +64,37 @@ OWNERS = ("metadist.strategies.", "metadist.checkpoint.", "metadist.comm.",
           "metadist.scaler")
 
 
+#: modules whose frames stand for their caller's: a zero3 parameter runs its caller's call
+#: on this rank's slice of it (strategies/zero3/sharded_param.py)
+TRANSPARENT = ("metadist.strategies.zero3.sharded_param",)
+
+
+def _caller_module(frame: FrameType | None) -> tuple[str, FrameType | None]:
+    """The module of the first frame from ``frame`` on outside torch (and outside the
+    transparent modules), and that frame."""
+    while frame is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if not (module == "torch" or module.startswith("torch.") or module in TRANSPARENT):
+            return module, frame
+        frame = frame.f_back
+    return "", None
+
+
+def called_by_owner(skip: int = 2) -> bool:
+    """Whether the first frame outside torch that led to the intercepted call belongs to a
+    package that owns shards (``skip``: the interception's own frames)."""
+    return _caller_module(sys._getframe(skip))[0].startswith(OWNERS)
+
+
 def local_caller(skip: int = 2) -> bool:
     """Whether the call being intercepted reads this rank's part as it is: it runs inside an
     optimizer's step, or the first frame outside torch that led to it is metadist's own."""
     frame: FrameType | None = sys._getframe(skip)
-    decided: bool | None = None
+    if _caller_module(frame)[0].startswith(OWNERS):
+        return True
     while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module.startswith("torch.optim"):
+        if str(frame.f_globals.get("__name__", "")).startswith("torch.optim"):
             return True
-        if decided is None and not (module == "torch" or module.startswith("torch.")):
-            if module.startswith(OWNERS):
-                return True
-            decided = False
         frame = frame.f_back
     return False
 

@@ -75,9 +75,8 @@ def shard_grads_allowed() -> bool:
 
 def refuse_shard_grad() -> None:
     raise RuntimeError(
-        "torch.autograd.grad with respect to the model's parameters under zero3/fsdp/hsdp: they "
-        "are "
-        "this rank's flat shards, and their gradient would be this rank's slice of the "
+        "torch.autograd.grad with respect to the model's parameters under zero3/fsdp/hsdp: "
+        "this rank holds a slice of each, and their gradient would be this rank's slice of the "
         "gradient averaged over all ranks, not the gradient of this rank's loss that ddp and "
         "one process give (a gradient penalty written this way optimises another objective). "
         "Differentiate with respect to the full parameters instead: params = "
@@ -163,6 +162,8 @@ class FlatParam:
         self._task_reach: tuple[int, list[bool]] | None = None
         self._stash_reach: list[bool] | None = None
         self.reached: list[bool] | None = None
+        #: slots whose gradient was set to None alone (``p.grad = None``): sharded_param.py
+        self.cleared: set[int] = set()
         #: Slots a step skipped whose optimizer state one process would hold otherwise than
         #: this shard does: slot index -> that state's per-parameter values (None: one
         #: process holds no state for it). Kept by strategies/zero3/unreached.py.
@@ -357,6 +358,7 @@ class FlatParam:
         """A gradient of the slots ``mask`` marks is about to go into ``shard.grad``
         (reduced here, or added by the meta engine): a fresh gradient starts the record."""
         self.reached = mask if self.shard.grad is None else _union(self.reached, mask)
+        self.cleared.clear()
 
     # ----- gradients ------------------------------------------------------------------
     def reduce(self, grad: torch.Tensor, owned: bool = False) -> torch.Tensor | None:

@@ -44,7 +44,6 @@ from metadist.strategies.zero3.flat import (
     shard_grads_allowed,
     split_views,
 )
-from metadist.strategies.zero3.foreign_runs import RESOLVERS
 from metadist.strategies.zero3.shard_gather import (
     Gathered,
     real_size,
@@ -53,6 +52,7 @@ from metadist.strategies.zero3.shard_gather import (
     scatter_parts,
     sum_over,
 )
+from metadist.strategies.zero3.sharded_param import RESOLVERS
 from metadist.strategies.zero3.units import Unit, in_backward
 
 _T = TypeVar("_T")

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 
 from metadist.precision import parse_dtype
 from metadist.runtime.world import SELF, Group
-from metadist.strategies import step_chain
+from metadist.strategies import ownership, step_chain
 from metadist.strategies.base import Strategy, StrategyConfig
 from metadist.strategies.batchnorm.sync import convert_sync_batchnorm
 from metadist.strategies.bind import Place, Rebinding, explicit_parameters_active, held_at, place_of
@@ -58,7 +58,6 @@ from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.tensors import grad_norm
 from metadist.strategies.tensors.grad_norm import Split
-from metadist.strategies.tensors.shard_value import check_toggles
 from metadist.strategies.zero import clip_sharded_grads
 from metadist.strategies.zero3 import sharded_fast
 from metadist.strategies.zero3.backward_coordinator import BackwardCoordinator
@@ -70,10 +69,16 @@ from metadist.strategies.zero3.flat import (
 from metadist.strategies.zero3.flat_layout import FlatLayout
 from metadist.strategies.zero3.foreign_runs import (
     Origin,
-    Placeholder,
     library_walking,
     refuse_deepcopy,
     refuse_foreign_run,
+)
+from metadist.strategies.zero3.regroup import regroup, split_keys
+from metadist.strategies.zero3.sharded_param import (
+    ShardedParam,
+    check_flags,
+    set_aside,
+    user_parameters,
 )
 from metadist.strategies.zero3.units import Schedule, Unit
 from metadist.strategies.zero3.unreached import SkipUnreached
@@ -113,13 +118,9 @@ class ShardedModule(DistributedModule):
         self.units = units
         self.flats = [flat for unit in units for flat in unit.flats]
         self.shards = nn.ParameterList([flat.shard for flat in self.flats])
-        #: the names, under this model, of the user's parameters the shards hold: still
-        #: registered in the user's module (placeholders between forwards), not trained here
-        self._sharded_names = frozenset(
-            f"module.{name}" for flat in self.flats for slot in flat.slots
-            for name in (slot.fqn, *slot.aliases))
         self._config = config
         self._handles: list[Any] = []
+        self.state_hooks: ShardedStateDict | None = None
         self._origin = Origin(self)  # copies and patched classes carry it along
         self._trainable_at_setup = [flat.shard.requires_grad for flat in self.flats]
         self._schedule = Schedule(units, reshard_after_forward=config.reshard_after_forward,
@@ -168,8 +169,12 @@ class ShardedModule(DistributedModule):
     def _check_own_run(self) -> None:
         """Only the set-up model itself runs on its shards: a copy, a clone, a patched class
         or swapped shards are refused, naming the path (strategies/zero3/foreign_runs.py)."""
-        swapped = [name for name, shard in self.shards.named_parameters()
+        swapped = [f"shards.{name}" for name, shard in self.shards.named_parameters()
                    if shard is not self.flats[int(name)].shard]
+        swapped += [slot.fqn for flat in self.flats for slot in flat.slots
+                    for module, attr in slot.uses
+                    if isinstance(held := held_at(module, attr), torch.Tensor)
+                    and not isinstance(held, ShardedParam) and held.shape != slot.shape]
         refuse_foreign_run(self, self._origin, swapped)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -190,7 +195,7 @@ class ShardedModule(DistributedModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_own_run()
-        check_toggles([flat.shard for flat in self.flats], self._trainable_at_setup)
+        check_flags(self.flats, self._trainable_at_setup)
         if sharded_fast.active_for(self.module) is not None:  # inside bound(fast weights)
             return self.run(self.module, args, kwargs)
         out = super().forward(*args, **kwargs)
@@ -279,32 +284,18 @@ class ShardedModule(DistributedModule):
 
     def _apply(self, fn: Any, recurse: bool = True) -> ShardedModule:
         """``model.to(...)``, ``.float()``, ``.cpu()``: the shards and buffers move or
-        convert; the user's modules' placeholders, which hold no values, are set aside for
+        convert; the user's parameters (slices of the shards) are set aside for
         the call and put back in their places (registration order kept)."""
-        registries: dict[int, tuple[dict[str, Any], list[str], dict[str, Any]]] = {}
-        for flat in self.flats:
-            for slot, placeholder in zip(flat.slots, flat.placeholders, strict=True):
-                for module, attr in slot.uses:
-                    registry: dict[str, Any] = module._parameters
-                    if registry.get(attr) is placeholder:
-                        entry = registries.setdefault(id(registry),
-                                                      (registry, list(registry), {}))
-                        entry[2][attr] = registry.pop(attr)
-        try:
+        with set_aside(self.flats):
             super()._apply(fn, recurse)
-        finally:
-            for registry, order, aside in registries.values():
-                current = dict(registry)
-                registry.clear()  # the same dict: bindings hold it as their place
-                registry.update({k: aside[k] if k in aside else current[k] for k in order
-                                 if k in aside or k in current})
-                registry.update({k: v for k, v in current.items() if k not in order})
         return self
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The shards (what the optimizer steps); inside :meth:`bound`, the bound full
-        parameters under the user's module's names, as a replicated model's would be."""
+        """The user's parameters under their names and global shapes (this rank's slice of
+        each: strategies/zero3/sharded_param.py); inside :meth:`bound`, the bound full
+        parameters, as a replicated model's would be. The flat shards behind them are
+        ``model.shards``."""
         if recurse and explicit_parameters_active(self.module):
             inner = f"{prefix}.module" if prefix else "module"
             return self.module.named_parameters(inner, recurse, remove_duplicate)
@@ -313,11 +304,12 @@ class ShardedModule(DistributedModule):
             inner = f"{prefix}.module." if prefix else "module."
             return iter([(inner + slot.fqn, running.whole(flat, i))  # type: ignore[misc]
                          for flat in self.flats for i, slot in enumerate(flat.slots)])
-        everything = super().named_parameters(prefix, recurse, remove_duplicate)
         if library_walking():  # as the library's own walk of the registry finds them
-            return everything
-        skip, sharded = (len(prefix) + 1 if prefix else 0), self._sharded_names
-        return ((name, p) for name, p in everything if name[skip:] not in sharded)
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        modules = (self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
+                   if recurse else [(prefix, self)])
+        return user_parameters(self.flats, [(p, m) for p, m in modules if m is not self.shards],
+                               remove_duplicate)
 
     def fast_weights(self) -> FastWeights:
         """Fast weights of a cooperative inner problem, kept as shards: this rank's slice of
@@ -386,8 +378,11 @@ class ShardedModule(DistributedModule):
 
     def split_gradients(self) -> dict[torch.Tensor, Split]:
         """Each shard's gradient is this rank's slice of its flat's gradient."""
-        return {flat.shard: Split(flat.group) for flat in self.flats
-                if flat.shard.requires_grad}
+        return {t: Split(flat.group) for flat in self.flats if flat.shard.requires_grad
+                for t in (flat.shard, *flat.placeholders)}
+
+    def graph_leaves(self) -> list[torch.Tensor]:
+        return [flat.shard for flat in self.flats]
 
 
 @register("zero3", "fsdp")
@@ -429,19 +424,19 @@ class Zero3Strategy(Strategy):
         for plan in plans:
             if deferred is not None:  # only this unit whole at a time: its shards stay
                 deferred.materialize([p for _, _, p, _ in plan.params])
-            units.append(Unit(plan, self._flats(plan, shard_group, replicate_group, coordinator)))
+            units.append(Unit(plan, self._flats(plan, self._group_of, shard_group,
+                                                replicate_group, coordinator)))
         sharded = ShardedModule(model, units, self.config)
         # kept alive by the hooks it registers on the user's modules
-        hooks = ShardedStateDict(model, sharded.flats, order, sharded.after_step)
-        grad_norm.emptied(hooks.own)
+        sharded.state_hooks = ShardedStateDict(model, sharded.flats, order, sharded.after_step)
         return sharded
 
-    def _flats(self, plan: UnitPlan, group: Group, replicate: Group,
-               coordinator: BackwardCoordinator) -> list[FlatParam]:
+    def _flats(self, plan: UnitPlan, group_of: dict[int, int], group: Group,
+               replicate: Group, coordinator: BackwardCoordinator) -> list[FlatParam]:
         by_key: dict[tuple[Any, ...], dict[int, list[tuple[nn.Module, str, nn.Parameter, str]]]]
         by_key = {}
         for module, attr, p, fqn in plan.params:
-            key = (p.dtype, self._group_of.get(id(p), 0), p.requires_grad)
+            key = (p.dtype, group_of.get(id(p), 0), p.requires_grad)
             by_key.setdefault(key, {}).setdefault(id(p), []).append((module, attr, p, fqn))
         flats = []
         for uses_by_param in by_key.values():
@@ -458,7 +453,7 @@ class Zero3Strategy(Strategy):
                 reduce_dtype=self.reduce_dtype, scale=self.reduce_factor,
                 coordinator=coordinator))
             for index, (slot, p) in enumerate(zip(slots, originals, strict=True)):
-                placeholder = Placeholder(slot.fqn, slot.shape, p.dtype, (flats[-1], index),
+                placeholder = ShardedParam(slot.fqn, slot.shape, p.dtype, (flats[-1], index),
                                           p.requires_grad)
                 flats[-1].placeholders.append(placeholder)
                 for module, attr in slot.uses:
@@ -472,6 +467,20 @@ class Zero3Strategy(Strategy):
     def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         if not isinstance(module, ShardedModule):
             raise ValueError("setup_optimizer needs the module returned by this strategy")
+        original = {id(held): flat.originals[i] for flat in module.flats
+                    for i, held in enumerate(flat.placeholders)}
+        for group in optimizer.param_groups:  # built on model.parameters() after setup
+            group["params"] = [original.get(id(p), p) for p in group["params"]]
+        for p in list(optimizer.state):
+            if id(p) in original:
+                optimizer.state[original[id(p)]] = optimizer.state.pop(p)
+        group_of = split_keys(module.flats, optimizer)
+        if group_of is not None:  # groups built after setup cut across flats: split them
+            first = module.flats[0]
+            regroup(module, optimizer, group_of, lambda plan, keys: self._flats(
+                plan, keys, first.group, first.replicate_group, first.coordinator))
+            ownership.claim(module.graph_leaves(), self.name, self._optimizer_needed())
+            grad_norm.forget(module)
         move_optimizer_state(optimizer)
         shard_optimizer(optimizer, FlatLayout(module.flats))
         chain = step_chain.building(optimizer)
@@ -494,5 +503,6 @@ class Zero3Strategy(Strategy):
 
     def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
                         norm_type: float) -> torch.Tensor:
-        shards = [p for p in module.parameters() if p.grad is not None]
+        shards = [flat.shard for flat in getattr(module, "flats", ())
+                  if flat.shard.grad is not None]
         return clip_sharded_grads(shards, max_norm, norm_type, group=self.groups()[0])

@@ -52,7 +52,7 @@ from metadist.strategies import agreement
 from metadist.strategies.bind import held_at, place_of, write
 from metadist.strategies.zero3.backward_holds import BackwardHolds
 from metadist.strategies.zero3.flat import FlatParam
-from metadist.strategies.zero3.foreign_runs import Placeholder
+from metadist.strategies.zero3.sharded_param import ShardedParam
 from metadist.strategies.zero3.unit_state import TRANSITIONS, UnitState, check_transition
 from metadist.strategies.zero3.wrap import UnitPlan
 
@@ -80,8 +80,9 @@ class Schedule:
         # it may run other units than the model's own forward (a loss through one block)
         self.fast_order: list[Unit] = []
         self._queued = False  # the end-of-backward callback is queued
-        unit_of = {flat: unit for unit in units for flat in unit.flats}
-        self.holds = BackwardHolds(lambda flat: unit_of[flat].state is _F)
+        #: the unit holding each flat
+        self.unit_of = {flat: unit for unit in units for flat in unit.flats}
+        self.holds = BackwardHolds(lambda flat: self.unit_of[flat].state is _F)
         for unit in units:
             unit.join(self)
 
@@ -284,7 +285,7 @@ class Unit:
             self._bind()
         else:  # the original graph's views, where freeing the buffer put placeholders
             write((place_of(module, attr), view) for (module, attr), view in self._bound.items()
-                  if isinstance(held_at(module, attr), Placeholder))
+                  if isinstance(held_at(module, attr), ShardedParam))
 
     def post_forward(self, member: nn.Module, output: Any) -> None:
         """A member's forward returned (or raised): close the unit once the members the

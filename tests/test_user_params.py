@@ -96,14 +96,15 @@ def _program(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: t
     return logged
 
 
-def _train(strategy: str, through_strategy: bool) -> dict[str, Any]:
+def _train(strategy: str, how: str) -> dict[str, Any]:
     torch.manual_seed(0)
     net = Net()
     plain = copy.deepcopy(net)
     s = metadist.strategy(strategy, min_unit_params=10)
     model = s.setup_module(net)
-    opt = torch.optim.AdamW(_groups(model.named_parameters()), lr=0.01)
-    if through_strategy:
+    fused = {"fused": True} if how == "plain_fused" else {}
+    opt = torch.optim.AdamW(_groups(model.named_parameters()), lr=0.01, **fused)
+    if how == "setup_optimizer":
         opt = s.setup_optimizer(model, opt)
     popt = torch.optim.AdamW(_groups(("module." + n, p) for n, p in plain.named_parameters()),
                              lr=0.01)
@@ -122,14 +123,15 @@ def _train(strategy: str, through_strategy: bool) -> dict[str, Any]:
     return {"got": model.state_dict(), "want": plain.state_dict(), "logs": logs}
 
 
-@pytest.mark.parametrize("through_strategy", [True, False], ids=["setup_optimizer", "plain"])
+@pytest.mark.parametrize("how", ["setup_optimizer", "plain", "plain_fused"])
 @pytest.mark.parametrize(("strategy", "n", "nodes"), SHARDED)
 def test_param_groups_by_name_after_setup_equal_one_process(strategy: str, n: int, nodes: int,
-                                                            through_strategy: bool) -> None:
+                                                            how: str) -> None:
     """Groups that cut across a unit's flat (weights and biases of one layer) split it
-    (strategies/zero3/regroup.py) through setup_optimizer; a plain optimizer steps each
-    parameter's slice with its group's hyperparameters."""
-    for out in run_on_ranks(_train, n, args=(strategy, through_strategy), nnodes=nodes):
+    (strategies/zero3/regroup.py) through setup_optimizer; a plain optimizer (its
+    single-tensor or fused kernel) steps each parameter's slice with its group's
+    hyperparameters."""
+    for out in run_on_ranks(_train, n, args=(strategy, how), nnodes=nodes):
         assert_tensors_close(out["got"], out["want"])
         for got, want in out["logs"]:
             assert got.keys() == want.keys()
@@ -171,3 +173,40 @@ def test_what_needs_the_whole_parameter_stops_naming_it(strategy: str, n: int,
         for name, text in expected.items():
             assert text in out[name], (name, out[name])
             assert "model.full_parameters()" in out[name] or "freeze" in name, out[name]
+
+
+def _freeze_a_layer(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A layer frozen by name after setup for a few steps, then trained again (a
+    fine-tuning schedule), next to one process doing the same."""
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    s = metadist.strategy(strategy, min_unit_params=10, **options)
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    popt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    w = metadist.world()
+    per = GLOBAL_BATCH // w.world_size
+    for step in range(STEPS):
+        for m in (model.module, plain):
+            if step in (3, 7):
+                m.hidden.requires_grad_(step == 7)
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
+                                                                       generator=g)
+        for m, o, xs, ys in ((model, opt, x[w.rank * per:(w.rank + 1) * per],
+                              y[w.rank * per:(w.rank + 1) * per]), (plain, popt, x, y)):
+            nn.functional.mse_loss(m(xs), ys).backward()
+            o.step()
+            o.zero_grad()
+    return {"got": model.state_dict(), "want": plain.state_dict()}
+
+
+@pytest.mark.parametrize("options", [{}, {"reshard_after_forward": False}],
+                         ids=["default", "no-reshard"])
+@pytest.mark.parametrize(("strategy", "n", "nodes"), SHARDED[1:])
+def test_a_layer_frozen_by_name_after_setup_trains_as_in_one_process(
+        strategy: str, n: int, nodes: int, options: dict[str, Any]) -> None:
+    """All of a flat's parameters frozen after setup: the flat is frozen (no gradient, no
+    reduce-scatter, the optimizer skips it) until they are unfrozen (before: refused)."""
+    for out in run_on_ranks(_freeze_a_layer, n, args=(strategy, options), nnodes=nodes):
+        assert_tensors_close(out["got"], out["want"])

@@ -302,17 +302,18 @@ def _set_flag(param: ShardedParam, func: Any, args: Any, kwargs: Any) -> Any:
 
 
 def check_flags(flats: list[Any], at_setup: list[bool]) -> None:
-    """Before a forward: each flat's parameters agree on ``requires_grad``, and the flats'
-    flags are as at setup, or all alike; the shards follow them.
+    """Before a forward: each flat's parameters agree on ``requires_grad``, and each flat
+    is as at setup or frozen (or all are trainable); the shards follow them.
 
     A flat holds slices of several parameters of one unit, and zero3 keeps frozen
-    parameters in flats (and units) of their own at setup. Freezing or unfreezing every
-    parameter (``model.requires_grad_(False)``, a GAN's loop over the discriminator's
-    parameters) is one process's freeze; freezing a part of a unit after setup would also
-    freeze the rest of what its flat holds."""
+    parameters in flats of their own at setup. Freezing all of a flat's parameters (a
+    layer, ``model.requires_grad_(False)``, a GAN's loop over the discriminator's
+    parameters) is one process's freeze; freezing a part of a flat after setup would also
+    freeze the rest of what it holds."""
     flags = [{p.requires_grad for p in flat.placeholders} for flat in flats]
     alike = [next(iter(f)) if len(f) == 1 else None for f in flags]
-    if None not in alike and (alike == at_setup or all(alike) or not any(alike)):
+    if None not in alike and (all(alike) or all(
+            now in (then, False) for now, then in zip(alike, at_setup, strict=True))):
         for flat, flag in zip(flats, alike, strict=True):
             if flat.shard.requires_grad != flag:
                 flat.shard.requires_grad_(flag)
@@ -322,7 +323,8 @@ def check_flags(flats: list[Any], at_setup: list[bool]) -> None:
     raise ValueError(
         f"requires_grad was changed after setup on {changed[:4]}"
         f"{' ...' if len(changed) > 4 else ''} but not on the other parameters sharded "
-        "with them: zero3/fsdp/hsdp keeps a unit's trainable parameters in one flat shard, "
+        "with them, or unfrozen where they were frozen at setup: zero3/fsdp/hsdp keeps a "
+        "unit's parameters of one optimizer group and requires_grad in one flat shard, "
         "so this would freeze or unfreeze them too. Freeze these parameters on your module "
         "before setup (net.layer.requires_grad_(False)): zero3 keeps frozen parameters in "
         "flats of their own; or freeze or unfreeze all of model.parameters() "

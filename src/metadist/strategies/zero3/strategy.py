@@ -196,6 +196,10 @@ class ShardedModule(DistributedModule):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_own_run()
         check_flags(self.flats, self._trainable_at_setup)
+        for unit in self.units:  # a flat frozen after setup is a frozen flat from now on
+            frozen = [flat for flat in unit.flats if not flat.shard.requires_grad]
+            if frozen != unit.frozen:
+                unit.frozen = frozen
         if sharded_fast.active_for(self.module) is not None:  # inside bound(fast weights)
             return self.run(self.module, args, kwargs)
         out = super().forward(*args, **kwargs)

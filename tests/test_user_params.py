@@ -210,3 +210,56 @@ def test_a_layer_frozen_by_name_after_setup_trains_as_in_one_process(
     reduce-scatter, the optimizer skips it) until they are unfrozen (before: refused)."""
     for out in run_on_ranks(_freeze_a_layer, n, args=(strategy, options), nnodes=nodes):
         assert_tensors_close(out["got"], out["want"])
+
+
+def _steps(s: metadist.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
+           steps: range) -> None:
+    w = metadist.world()
+    per = GLOBAL_BATCH // w.world_size
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
+                                                                       generator=g)
+        s.backward(nn.functional.mse_loss(model(x[w.rank * per:(w.rank + 1) * per]),
+                                          y[w.rank * per:(w.rank + 1) * per]))
+        opt.step()
+        opt.zero_grad()
+
+
+def _resume(strategy: str, path: str, save: bool, fmt: str) -> dict[str, torch.Tensor]:
+    """Groups by name built after setup (flats split), saved after 5 steps, loaded into a
+    fresh set-up (another strategy or world size) and trained 5 more."""
+    torch.manual_seed(0 if save else 7)
+    s = metadist.strategy(strategy, **({"min_unit_params": 10} if strategy != "ddp" else {}))
+    model = s.setup_module(Net())
+    opt = s.setup_optimizer(model, torch.optim.AdamW(_groups(model.named_parameters()),
+                                                     lr=0.01))
+    if save:
+        _steps(s, model, opt, range(5))
+        s.save(path, {"model": model, "optimizer": opt}, format=fmt)
+    else:
+        s.load(path, {"model": model, "optimizer": opt})
+        _steps(s, model, opt, range(5, STEPS))
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("saver", "n1", "fmt", "loader", "n2"),
+                         [("zero3", 2, "sharded", "zero3", 3), ("zero3", 3, "sharded", "ddp", 2),
+                          ("ddp", 2, "full", "zero3", 3)])
+def test_groups_built_after_setup_save_and_reshard(tmp_path: Any, saver: str, n1: int,
+                                                   fmt: str, loader: str, n2: int) -> None:
+    torch.manual_seed(0)
+    plain = Net()
+    popt = torch.optim.AdamW(_groups(("module." + n, p) for n, p in plain.named_parameters()),
+                             lr=0.01)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
+                                                                       generator=g)
+        nn.functional.mse_loss(plain(x), y).backward()
+        popt.step()
+        popt.zero_grad()
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(_resume, n1, args=(saver, path, True, fmt))
+    for got in run_on_ranks(_resume, n2, args=(loader, path, False, fmt)):
+        assert_tensors_close(got, plain.state_dict())

@@ -182,11 +182,20 @@ class _Planner:
                         self.source.read(key, part.start, part.stop,
                                          buf[part.offset:part.offset + part.numel])
                 out[state_name] = buf.view(s.tensor.shape)
-            else:  # per parameter (e.g. Adam's step): one value for the whole tensor
-                for p, key in holders:
-                    shared[p.name][state_name] = (self.source.full(key)
-                                                  if key in self.source.tensors
-                                                  else self.source.value(key))
+                continue
+            values = [(p, self.source.full(key) if key in self.source.tensors
+                       else self.source.value(key)) for p, key in holders]
+            if all(isinstance(v, torch.Tensor) and per_element(state_name, v, p.shape)
+                   for p, v in values):  # a 0-dim parameter's, recorded as a value
+                buf = torch.zeros(s.tensor.numel(), dtype=values[0][1].dtype)
+                for p, v in values:
+                    flat = v.reshape(-1)
+                    for part in p.parts:
+                        buf[part.offset:part.offset + part.numel] = flat[part.start:part.stop]
+                out[state_name] = buf.view(s.tensor.shape)
+                continue
+            for p, v in values:  # per parameter (e.g. Adam's step): one value each
+                shared[p.name][state_name] = v
         if len(s.params) == 1:
             return {**out, **shared[s.params[0].name]}, {}
         keys = sorted({k for values in shared.values() for k in values})

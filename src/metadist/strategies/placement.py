@@ -410,7 +410,8 @@ def cut_state(stepped: Sequence[Stepped], full: Mapping[int, Mapping[str, Any]]
         entries = [(p, full.get(int(p.name), {})) for p in s.params]
         if not any(e for _, e in entries):
             continue
-        alone = len(s.params) == 1 and s.params[0].whole() is not None
+        alone = (len(s.params) == 1 and s.params[0].whole() is not None
+                 and tuple(s.tensor.shape) == tuple(s.params[0].shape))  # not a flat's
         state: dict[str, Any] = {}
         if not alone:
             shared = sorted({k for p, e in entries for k, v in e.items()

@@ -263,3 +263,36 @@ def test_groups_built_after_setup_save_and_reshard(tmp_path: Any, saver: str, n1
     run_on_ranks(_resume, n1, args=(saver, path, True, fmt))
     for got in run_on_ranks(_resume, n2, args=(loader, path, False, fmt)):
         assert_tensors_close(got, plain.state_dict())
+
+
+def _state_by_parameter(strategy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    s = metadist.strategy(strategy, min_unit_params=10)
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    popt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    _steps(s, model, opt, range(3))
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
+                                                                       generator=g)
+        nn.functional.mse_loss(plain(x), y).backward()
+        popt.step()
+        popt.zero_grad()
+    got = {n: (float(opt.state[p]["exp_avg_sq"].sum()), float(opt.state[p]["exp_avg"].norm()),
+               float(opt.state[p]["step"])) for n, p in model.named_parameters()}
+    want = {"module." + n: (float(popt.state[p]["exp_avg_sq"].sum()),
+                            float(popt.state[p]["exp_avg"].norm()), float(popt.state[p]["step"]))
+            for n, p in plain.named_parameters()}
+    return {"got": got, "want": want}
+
+
+@pytest.mark.parametrize(("strategy", "n", "nodes"), SHARDED[1:])
+def test_optimizer_state_read_by_parameter(strategy: str, n: int, nodes: int) -> None:
+    """``opt.state[p]`` of a set-up optimizer (which steps flat shards) for a parameter of
+    ``model.parameters()``: its slice of the flat's state, whole reductions global."""
+    for out in run_on_ranks(_state_by_parameter, n, args=(strategy,), nnodes=nodes):
+        assert out["got"].keys() == out["want"].keys()
+        for name, values in out["want"].items():  # float32 sums and norms: 1e-5 relative
+            assert out["got"][name] == pytest.approx(values, rel=1e-5, abs=1e-9), name

@@ -4,6 +4,9 @@ parameter a flat holds (strategies/sharded_optim.py asks this layout, never the 
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import Any
+
 import torch
 from torch.optim import Optimizer
 
@@ -12,6 +15,33 @@ from metadist.strategies.own_state import Own
 from metadist.strategies.placement import OptimizerPlacement, flat_optimizer, per_element
 from metadist.strategies.sharded_optim import OptimizerLayout, ParamState
 from metadist.strategies.zero3.flat import FlatParam
+from metadist.strategies.zero3.sharded_param import ShardedParam, slice_of
+
+
+class StateByParameter(defaultdict[Any, Any]):
+    """``optimizer.state`` of an optimizer stepping flat shards, where a parameter
+    ``model.parameters()`` yields also reads its own state, as in one process:
+    ``optimizer.state[p]`` is the parameter's slice of each per-element state of its flat
+    (views: an in-place change is the optimizer's) and the flat's per-parameter values (its
+    step count). Nothing is stored under the parameter."""
+
+    def __missing__(self, key: Any) -> Any:
+        if isinstance(key, ShardedParam) and key.source is not None:
+            shard = key.source[0].shard
+            entry = dict.get(self, shard)
+            if entry is not None:
+                return {name: slice_of(v, key) if isinstance(v, torch.Tensor)
+                        and v.shape == shard.shape else v for name, v in entry.items()}
+        return super().__missing__(key)
+
+
+def state_by_parameter(optimizer: Optimizer) -> None:
+    """Make ``optimizer.state`` a :class:`StateByParameter` (again after a load, which
+    replaces it)."""
+    if not isinstance(optimizer.state, StateByParameter):
+        by_parameter = StateByParameter(dict)
+        by_parameter.update(optimizer.state)
+        optimizer.state = by_parameter
 
 
 class FlatLayout(OptimizerLayout):

@@ -234,6 +234,16 @@ def piece(flat: Any, index: int) -> ShardValue:
     return _spanned(view, flat, index)
 
 
+def slice_of(t: torch.Tensor, param: ShardedParam) -> ShardValue:
+    """The parameter's slice of ``t``, a tensor laid out as its flat's shard (its gradient,
+    its optimizer state)."""
+    flat, index = param.source
+    start, stop = _range(flat, index)
+    with torch._C.DisableTorchFunctionSubclass():
+        view = t.as_subclass(torch.Tensor)[start:stop]
+    return _spanned(view, flat, index)
+
+
 def grad_of(param: ShardedParam) -> ShardValue | None:
     """This rank's slice of the parameter's gradient (the same object until it changes)."""
     flat, index = param.source
@@ -244,10 +254,7 @@ def grad_of(param: ShardedParam) -> ShardValue | None:
     if cached is not None and cached[0] is grad:
         value: ShardValue = cached[1]
         return value
-    start, stop = _range(flat, index)
-    with torch._C.DisableTorchFunctionSubclass():
-        view = grad.as_subclass(torch.Tensor)[start:stop]
-    value = _spanned(view, flat, index)
+    value = slice_of(grad, param)
     param.__dict__["_grad_piece"] = (grad, value)
     return value
 

@@ -66,7 +66,7 @@ from metadist.strategies.zero3.flat import (
     Slot,
     reduced_shard_grads,
 )
-from metadist.strategies.zero3.flat_layout import FlatLayout
+from metadist.strategies.zero3.flat_layout import FlatLayout, state_by_parameter
 from metadist.strategies.zero3.foreign_runs import (
     Origin,
     library_walking,
@@ -487,6 +487,8 @@ class Zero3Strategy(Strategy):
             grad_norm.forget(module)
         move_optimizer_state(optimizer)
         shard_optimizer(optimizer, FlatLayout(module.flats))
+        state_by_parameter(optimizer)
+        optimizer.register_load_state_dict_post_hook(state_by_parameter)
         chain = step_chain.building(optimizer)
         skip = SkipUnreached(module.flats, optimizer)  # one process's grad=None, per parameter
         chain.add("skip_unreached", skip.before_step)

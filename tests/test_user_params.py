@@ -40,6 +40,11 @@ class Net(nn.Module):
         return self.head(h) / self.temperature
 
 
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
 def _describe(named: Any) -> list[tuple[str, tuple[int, ...], str, bool, str]]:
     return [(n, tuple(p.shape), str(p.dtype), p.requires_grad, p.device.type)
             for n, p in named]
@@ -112,9 +117,7 @@ def _train(strategy: str, how: str) -> dict[str, Any]:
     per = GLOBAL_BATCH // w.world_size
     logs = []
     for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
-                                                                       generator=g)
+        x, y = _batch(step)
         got = _program(model, opt, x[w.rank * per:(w.rank + 1) * per],
                        y[w.rank * per:(w.rank + 1) * per], step)
         want = _program(plain, popt, x, y, step)
@@ -190,9 +193,7 @@ def _freeze_a_layer(strategy: str, options: dict[str, Any]) -> dict[str, Any]:
         for m in (model.module, plain):
             if step in (3, 7):
                 m.hidden.requires_grad_(step == 7)
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
-                                                                       generator=g)
+        x, y = _batch(step)
         for m, o, xs, ys in ((model, opt, x[w.rank * per:(w.rank + 1) * per],
                               y[w.rank * per:(w.rank + 1) * per]), (plain, popt, x, y)):
             nn.functional.mse_loss(m(xs), ys).backward()
@@ -212,14 +213,21 @@ def test_a_layer_frozen_by_name_after_setup_trains_as_in_one_process(
         assert_tensors_close(out["got"], out["want"])
 
 
+def _plain_steps(plain: nn.Module, popt: torch.optim.Optimizer, steps: range) -> None:
+    """One process on the whole batches."""
+    for step in steps:
+        x, y = _batch(step)
+        nn.functional.mse_loss(plain(x), y).backward()
+        popt.step()
+        popt.zero_grad()
+
+
 def _steps(s: metadist.Strategy, model: nn.Module, opt: torch.optim.Optimizer,
            steps: range) -> None:
     w = metadist.world()
     per = GLOBAL_BATCH // w.world_size
     for step in steps:
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
-                                                                       generator=g)
+        x, y = _batch(step)
         s.backward(nn.functional.mse_loss(model(x[w.rank * per:(w.rank + 1) * per]),
                                           y[w.rank * per:(w.rank + 1) * per]))
         opt.step()
@@ -252,13 +260,7 @@ def test_groups_built_after_setup_save_and_reshard(tmp_path: Any, saver: str, n1
     plain = Net()
     popt = torch.optim.AdamW(_groups(("module." + n, p) for n, p in plain.named_parameters()),
                              lr=0.01)
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
-                                                                       generator=g)
-        nn.functional.mse_loss(plain(x), y).backward()
-        popt.step()
-        popt.zero_grad()
+    _plain_steps(plain, popt, range(STEPS))
     path = str(tmp_path / "ckpt")
     run_on_ranks(_resume, n1, args=(saver, path, True, fmt))
     for got in run_on_ranks(_resume, n2, args=(loader, path, False, fmt)):
@@ -273,13 +275,7 @@ def _state_by_parameter(strategy: str) -> dict[str, Any]:
     model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
     popt = torch.optim.Adam(plain.parameters(), lr=0.01)
     _steps(s, model, opt, range(3))
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 3,
-                                                                       generator=g)
-        nn.functional.mse_loss(plain(x), y).backward()
-        popt.step()
-        popt.zero_grad()
+    _plain_steps(plain, popt, range(3))
     got = {n: (float(opt.state[p]["exp_avg_sq"].sum()), float(opt.state[p]["exp_avg"].norm()),
                float(opt.state[p]["step"])) for n, p in model.named_parameters()}
     want = {"module." + n: (float(popt.state[p]["exp_avg_sq"].sum()),

@@ -34,8 +34,7 @@ flat's own when the shard changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,39 +50,7 @@ from metadist.strategies.placement import flat_part, paste
 from metadist.strategies.tensors.shard_value import ShardParameter
 from metadist.strategies.tensors.whole_reductions import Span
 from metadist.strategies.zero3.backward_coordinator import BackwardCoordinator
-
-# A process-wide count, not a context variable: autograd may run a backward on a device thread.
-_reduced_shard_grads = 0
-
-
-@contextmanager
-def reduced_shard_grads() -> Iterator[None]:
-    """Opt in: inside, ``torch.autograd.grad`` with respect to flat shards returns this rank's
-    slice of the gradient averaged over ranks (a collective), not an error."""
-    global _reduced_shard_grads
-    _reduced_shard_grads += 1
-    try:
-        yield
-    finally:
-        _reduced_shard_grads -= 1
-
-
-def shard_grads_allowed() -> bool:
-    """Inside :func:`reduced_shard_grads`."""
-    return _reduced_shard_grads > 0
-
-
-def refuse_shard_grad() -> None:
-    raise RuntimeError(
-        "torch.autograd.grad with respect to the model's parameters under zero3/fsdp/hsdp: "
-        "this rank holds a slice of each, and their gradient would be this rank's slice of the "
-        "gradient averaged over all ranks, not the gradient of this rank's loss that ddp and "
-        "one process give (a gradient penalty written this way optimises another objective). "
-        "Differentiate with respect to the full parameters instead: params = "
-        "model.full_parameters(); loss = loss_fn(model.functional_forward(params, x), y); "
-        "grads = torch.autograd.grad(loss, list(params.values()), create_graph=True) (wrap "
-        "it in strategy.sync_grads(...) for the gradient of the global loss). To get the "
-        "reduced slice on purpose, call it inside `with model.reduced_shard_grads():`")
+from metadist.strategies.zero3.shard_grads import refuse_shard_grad, shard_grads_allowed
 
 
 @dataclass(frozen=True)
@@ -366,7 +333,7 @@ class FlatParam:
         ``owned``: of an owned copy, which neither counts as a graph on the buffer nor
         frees it."""
         accumulating = self.acc_node is not None and will_accumulate(self.acc_node)
-        if not accumulating and not _reduced_shard_grads:
+        if not accumulating and not shard_grads_allowed():
             refuse_shard_grad()
         reach = self._take_reached()
         if not owned:

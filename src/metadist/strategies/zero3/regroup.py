@@ -1,8 +1,10 @@
-"""zero3/hsdp: flats split by the optimizer's parameter groups, when the groups come after setup.
+"""zero3/hsdp: a unit's parameters grouped into flats, at setup and when the optimizer's
+parameter groups come after it.
 
-An optimizer steps each flat shard with one group's hyperparameters, so a flat must hold
-the parameters of one group only. Built before setup, the optimizer's groups split the
-units' flats from the start (strategy.py). Built after setup on ``model.named_parameters()``
+An optimizer steps each flat shard with one group's hyperparameters, so a flat holds the
+parameters of one dtype, optimizer group and ``requires_grad`` (:func:`group_into_flats`).
+Built before setup, the optimizer's groups split the units' flats from the start. Built
+after setup on ``model.named_parameters()``
 (weight decay by name, a learning rate per layer), its groups may cut across flats: each
 such flat is split, before any step, into one flat per group (a collective: every rank
 gathers the flat once and keeps its shard of each part), and everything that refers to
@@ -21,10 +23,47 @@ from torch import nn
 from torch.optim import Optimizer
 
 from metadist.comm import ops
-from metadist.strategies.zero3.flat import FlatParam
+from metadist.strategies.zero3.flat import FlatParam, Slot
+from metadist.strategies.zero3.sharded_param import ShardedParam
 
 #: builds the flats of a unit's parameters, split by ``group_of`` (Zero3Strategy._flats)
 Build = Callable[[Any, dict[int, int]], list[FlatParam]]
+#: (module, attribute, parameter, qualified name): one use of a parameter in a unit
+Use = tuple[nn.Module, str, nn.Parameter, str]
+
+
+def group_into_flats(params: Sequence[Use], group_of: dict[int, int],
+                     make: Callable[[list[Slot], list[nn.Parameter]], FlatParam]
+                     ) -> list[FlatParam]:
+    """One flat per (dtype, optimizer group, ``requires_grad``) of a unit's parameters, made
+    by ``make``; each parameter's registry entries then hold its :class:`ShardedParam` and
+    its replica is freed."""
+    by_key: dict[tuple[Any, ...], dict[int, list[Use]]] = {}
+    for module, attr, p, fqn in params:
+        key = (p.dtype, group_of.get(id(p), 0), p.requires_grad)
+        by_key.setdefault(key, {}).setdefault(id(p), []).append((module, attr, p, fqn))
+    flats = []
+    for uses_by_param in by_key.values():
+        slots, originals, offset = [], [], 0
+        for uses in uses_by_param.values():
+            p = uses[0][2]
+            slots.append(Slot(uses[0][3], tuple((m, a) for m, a, _, _ in uses), p.shape,
+                              offset, p.numel(), tuple(u[3] for u in uses[1:])))
+            originals.append(p)
+            offset += p.numel()
+        flat = make(slots, originals)
+        flats.append(flat)
+        for index, (slot, p) in enumerate(zip(slots, originals, strict=True)):
+            placeholder = ShardedParam(slot.fqn, slot.shape, p.dtype, (flat, index),
+                                       p.requires_grad)
+            flat.placeholders.append(placeholder)
+            for module, attr in slot.uses:
+                # Registered as before: every path reads what the attribute holds (the
+                # parameter, the gathered views while the unit runs).
+                registry: dict[str, Any] = module._parameters
+                registry[attr] = placeholder
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the replica
+    return flats
 
 
 def split_keys(flats: Sequence[FlatParam], optimizer: Optimizer) -> dict[int, int] | None:
@@ -78,7 +117,7 @@ def _split(flat: FlatParam, group_of: dict[int, int], build: Build) -> list[Flat
     with torch.no_grad():
         ops.all_gather(full, flat.shard.detach().as_subclass(torch.Tensor), group=flat.group)
     values = full.split([*(s.numel for s in flat.slots), flat.padded - flat.numel])
-    uses: list[tuple[nn.Module, str, torch.Tensor, str]] = []
+    uses: list[Any] = []
     for slot, p, v in zip(flat.slots, flat.originals, values, strict=False):
         p.data = v.view(slot.shape).to(flat.device)
         uses.extend((m, a, p, fqn) for (m, a), fqn in

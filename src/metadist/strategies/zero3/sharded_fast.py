@@ -38,12 +38,7 @@ from metadist.strategies.cooperative import cooperating
 from metadist.strategies.fast_weights import check_even_weights, require_all
 from metadist.strategies.tensors.shard_piece import plain
 from metadist.strategies.zero3.fast_ahead import LAST_UNIT, Ahead, gather_now
-from metadist.strategies.zero3.flat import (
-    FlatParam,
-    refuse_shard_grad,
-    shard_grads_allowed,
-    split_views,
-)
+from metadist.strategies.zero3.flat import FlatParam, split_views
 from metadist.strategies.zero3.shard_gather import (
     Gathered,
     real_size,
@@ -52,6 +47,7 @@ from metadist.strategies.zero3.shard_gather import (
     scatter_parts,
     sum_over,
 )
+from metadist.strategies.zero3.shard_grads import refuse_shard_grad, shard_grads_allowed
 from metadist.strategies.zero3.sharded_param import RESOLVERS
 from metadist.strategies.zero3.units import Unit, in_backward
 

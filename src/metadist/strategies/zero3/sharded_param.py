@@ -155,7 +155,7 @@ shard_value.DEFERS_TO = (ShardedParam,)
 
 def _autograd_grad(args: Any, kwargs: Any) -> Any:
     """``torch.autograd.grad`` with respect to parameters: with respect to their flats'
-    shards (which refuse it outside ``model.reduced_shard_grads()``: flat.py), each
+    shards (which refuse it outside ``model.reduced_shard_grads()``: shard_grads.py), each
     parameter's result its slice of its shard's."""
     bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
     inputs = bound.arguments["inputs"]

@@ -61,11 +61,7 @@ from metadist.strategies.tensors.grad_norm import Split
 from metadist.strategies.zero import clip_sharded_grads
 from metadist.strategies.zero3 import sharded_fast
 from metadist.strategies.zero3.backward_coordinator import BackwardCoordinator
-from metadist.strategies.zero3.flat import (
-    FlatParam,
-    Slot,
-    reduced_shard_grads,
-)
+from metadist.strategies.zero3.flat import FlatParam
 from metadist.strategies.zero3.flat_layout import FlatLayout, state_by_parameter
 from metadist.strategies.zero3.foreign_runs import (
     Origin,
@@ -73,7 +69,8 @@ from metadist.strategies.zero3.foreign_runs import (
     refuse_deepcopy,
     refuse_foreign_run,
 )
-from metadist.strategies.zero3.regroup import regroup, split_keys
+from metadist.strategies.zero3.regroup import group_into_flats, regroup, split_keys
+from metadist.strategies.zero3.shard_grads import reduced_shard_grads
 from metadist.strategies.zero3.sharded_param import (
     ShardedParam,
     check_flags,
@@ -437,36 +434,10 @@ class Zero3Strategy(Strategy):
 
     def _flats(self, plan: UnitPlan, group_of: dict[int, int], group: Group,
                replicate: Group, coordinator: BackwardCoordinator) -> list[FlatParam]:
-        by_key: dict[tuple[Any, ...], dict[int, list[tuple[nn.Module, str, nn.Parameter, str]]]]
-        by_key = {}
-        for module, attr, p, fqn in plan.params:
-            key = (p.dtype, group_of.get(id(p), 0), p.requires_grad)
-            by_key.setdefault(key, {}).setdefault(id(p), []).append((module, attr, p, fqn))
-        flats = []
-        for uses_by_param in by_key.values():
-            slots, originals, offset = [], [], 0
-            for uses in uses_by_param.values():
-                p = uses[0][2]
-                slots.append(Slot(uses[0][3], tuple((m, a) for m, a, _, _ in uses), p.shape,
-                                  offset, p.numel(), tuple(u[3] for u in uses[1:])))
-                originals.append(p)
-                offset += p.numel()
-            flats.append(FlatParam(
-                slots, originals, group=group, replicate_group=replicate, device=self.device,
-                offload=self.config.cpu_offload, param_dtype=parse_dtype(self.config.param_dtype),
-                reduce_dtype=self.reduce_dtype, scale=self.reduce_factor,
-                coordinator=coordinator))
-            for index, (slot, p) in enumerate(zip(slots, originals, strict=True)):
-                placeholder = ShardedParam(slot.fqn, slot.shape, p.dtype, (flats[-1], index),
-                                          p.requires_grad)
-                flats[-1].placeholders.append(placeholder)
-                for module, attr in slot.uses:
-                    # Registered as before: every path reads what the attribute holds (the
-                    # placeholder, the gathered views while the unit runs).
-                    registry: dict[str, Any] = module._parameters
-                    registry[attr] = placeholder
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # free the replica
-        return flats
+        return group_into_flats(plan.params, group_of, lambda slots, originals: FlatParam(
+            slots, originals, group=group, replicate_group=replicate, device=self.device,
+            offload=self.config.cpu_offload, param_dtype=parse_dtype(self.config.param_dtype),
+            reduce_dtype=self.reduce_dtype, scale=self.reduce_factor, coordinator=coordinator))
 
     def _setup_optimizer(self, module: DistributedModule, optimizer: Optimizer) -> Optimizer:
         if not isinstance(module, ShardedModule):

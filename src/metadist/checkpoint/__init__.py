@@ -22,10 +22,11 @@ check every byte they trust against a checksum before using it (SHA-256 digests 
 files, CRC-32s of pieces: :mod:`~metadist.checkpoint.digest`), and change nothing in memory
 unless every rank succeeded.
 
-Why not ``torch.distributed.checkpoint``: our shards are not DTensors but element ranges of
-flattened parameters inside padded flat buffers, which its chunk model (n-d boxes) cannot
-describe; its metadata file is a pickle (loading it can run arbitrary code); and it offers
-no atomic commit, so an interrupted save could destroy the previous checkpoint.
+torch's distributed checkpoint (DCP) reads and writes the same state through
+:mod:`~metadist.checkpoint.dcp` (torch's state-dict format, each rank's element ranges as
+DCP boxes). The formats here stay the default: DCP's metadata file is a pickle (loading it
+can run arbitrary code) and it offers no atomic commit, so an interrupted save could
+destroy the previous checkpoint.
 """
 
 from __future__ import annotations

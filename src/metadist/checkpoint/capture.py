@@ -161,7 +161,7 @@ class Capture:
                 for state_name in sorted(held_state):
                     value = held_state[state_name]
                     key = (name, p.name, state_name)
-                    if is_piece_tensor(value) and per_element(state_name, value, s.tensor.shape):
+                    if is_piece_tensor(value) and per_element(state_name, value, s.layout):
                         self._tensor(key, p.on(value))
                     elif is_piece_tensor(value) and p.whole() is not None:
                         # per parameter, yet a tensor: stored whole, as the parameter is held

@@ -113,7 +113,8 @@ def document(entries: dict[str, EntryMeta], contents: dict[str, Any], *, world_s
 
 def _optimizer_state(strategy: Strategy, optimizer: Optimizer, rank: int) -> Any:
     """Plain-format state on rank 0 (collective for sharded optimizers)."""
-    if hasattr(optimizer, "metadist_sharding"):
+    if hasattr(optimizer, "metadist_sharding") or any(
+            s.state_shape is not None for s in optimizer_placement(optimizer).stepped):
         return strategy.optimizer_state_dict(optimizer, to=0)
     return optimizer.state_dict() if rank == 0 else None  # replicated: rank 0 has it all
 

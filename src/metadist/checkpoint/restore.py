@@ -9,6 +9,7 @@ rank reported success.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,24 +176,24 @@ class _Planner:
                    for info, (p, _) in zip(infos, holders, strict=True)):
                 first = infos[0]
                 assert first is not None
-                buf = torch.zeros(s.tensor.numel(), dtype=first.dtype)
+                buf = torch.zeros(math.prod(s.layout), dtype=first.dtype)
                 for p, key in holders:
                     self._info(key, key, p.shape)
                     for part in p.parts:
                         self.source.read(key, part.start, part.stop,
                                          buf[part.offset:part.offset + part.numel])
-                out[state_name] = buf.view(s.tensor.shape)
+                out[state_name] = buf.view(s.layout)
                 continue
             values = [(p, self.source.full(key) if key in self.source.tensors
                        else self.source.value(key)) for p, key in holders]
             if all(isinstance(v, torch.Tensor) and per_element(state_name, v, p.shape)
                    for p, v in values):  # a 0-dim parameter's, recorded as a value
-                buf = torch.zeros(s.tensor.numel(), dtype=values[0][1].dtype)
+                buf = torch.zeros(math.prod(s.layout), dtype=values[0][1].dtype)
                 for p, v in values:
                     flat = v.reshape(-1)
                     for part in p.parts:
                         buf[part.offset:part.offset + part.numel] = flat[part.start:part.stop]
-                out[state_name] = buf.view(s.tensor.shape)
+                out[state_name] = buf.view(s.layout)
                 continue
             for p, v in values:  # per parameter (e.g. Adam's step): one value each
                 shared[p.name][state_name] = v

@@ -322,6 +322,14 @@ class Stepped:
     #: their own per-parameter values, or None for no state at all (zero3: parameters a
     #: step skipped, strategies/zero3/unreached.py)
     own: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
+    #: the shape its per-element state has where that is not the tensor's (a zero3/hsdp
+    #: parameter stepped as it is: its slice, strategies/zero3/sharded_param.py)
+    state_shape: tuple[int, ...] | None = None
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """The shape of this tensor's per-element state."""
+        return self.state_shape if self.state_shape is not None else tuple(self.tensor.shape)
 
     def state_for(self, p: Placement, state: Mapping[str, Any]) -> dict[str, Any] | None:
         """What one process's optimizer state holds for parameter ``p``, given this
@@ -332,7 +340,7 @@ class Stepped:
         own = self.own[p.name]
         if own is None:
             return None
-        return {**{k: v for k, v in state.items() if per_element(k, v, self.tensor.shape)},
+        return {**{k: v for k, v in state.items() if per_element(k, v, self.layout)},
                 **own}
 
 
@@ -350,12 +358,29 @@ class OptimizerPlacement:
     tag: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _sliced(name: str, p: Any) -> Stepped:
+    """A zero3/hsdp parameter an unsharded optimizer steps as it is (built over
+    ``model.parameters()`` after setup): its state is its slice's, laid out as that slice
+    (strategies/zero3/sharded_param.py); replica group 0 writes it."""
+    flat, index = p.source
+    slot = flat.slots[index]
+    local = p.to_local()
+    lo = flat.rank * flat.shard_size
+    begin = lo + min(max(slot.offset - lo, 0), flat.shard_size)  # the slice's first element
+    writer: Writer = "holder" if is_writer(flat.replicate_group, 0) else "none"
+    parts = flat_part(local, begin, slot.offset, slot.numel)
+    return Stepped(p, (Placement(name, tuple(slot.shape), p.dtype, parts, writer),),
+                   writer == "holder" and flat.rank == 0, state_shape=tuple(local.shape))
+
+
 def replicated_optimizer(optimizer: Optimizer) -> OptimizerPlacement:
     """An optimizer every rank holds whole (parameters identical: writes spread, values
-    written by rank 0)."""
+    written by rank 0); zero3/hsdp parameters stepped as they are hold their slices'."""
     groups = [list(g["params"]) for g in optimizer.param_groups]
     rank = ops.group_info(None)[2]
-    stepped = tuple(Stepped(p, (whole_tensor(str(i), p, "spread"),), rank == 0)
+    stepped = tuple(_sliced(str(i), p) if getattr(p, "source", None) is not None
+                    and hasattr(p, "to_local")
+                    else Stepped(p, (whole_tensor(str(i), p, "spread"),), rank == 0)
                     for i, p in enumerate(p for g in groups for p in g))
     return OptimizerPlacement(tuple(tuple(p.shape) for g in groups for p in g),
                               tuple(len(g) for g in groups), stepped)
@@ -411,7 +436,7 @@ def cut_state(stepped: Sequence[Stepped], full: Mapping[int, Mapping[str, Any]]
         if not any(e for _, e in entries):
             continue
         alone = (len(s.params) == 1 and s.params[0].whole() is not None
-                 and tuple(s.tensor.shape) == tuple(s.params[0].shape))  # not a flat's
+                 and s.layout == tuple(s.params[0].shape))  # not a flat's
         state: dict[str, Any] = {}
         if not alone:
             shared = sorted({k for p, e in entries for k, v in e.items()
@@ -426,13 +451,13 @@ def cut_state(stepped: Sequence[Stepped], full: Mapping[int, Mapping[str, Any]]
                 continue
             if not all(per_element(name, v, p.shape) for p, v in holders):
                 continue
-            buf = torch.zeros(s.tensor.numel(), dtype=holders[0][1].dtype,
+            buf = torch.zeros(math.prod(s.layout), dtype=holders[0][1].dtype,
                               device=s.tensor.device)
             for p, v in holders:
                 flat = v.detach().reshape(-1)
                 for part in p.parts:
                     paste(part.on(buf), flat[part.start:part.stop])
-            state[name] = buf.view(s.tensor.shape)
+            state[name] = buf.view(s.layout)
         out[s.tensor] = state
     return out, owns
 
@@ -457,7 +482,7 @@ def gather_state(where: OptimizerPlacement, optimizer: Optimizer, to: int | None
         for p in s.params:
             held_state = s.state_for(p, state)
             for name, value in (held_state or {}).items():
-                if per_element(name, value, s.tensor.shape):
+                if per_element(name, value, s.layout):
                     placed = p.on(value)
                     if placed.parts and _writes(placed, rank):
                         mine.append((int(p.name), name, p.shape, [

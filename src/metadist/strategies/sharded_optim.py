@@ -28,6 +28,7 @@ from metadist.strategies.placement import (
     cut_state,
     gather_state,
     numbered_groups,
+    replicated_optimizer,
 )
 
 _TAG = "metadist_shard"
@@ -206,8 +207,17 @@ def full_state_dict(optimizer: Optimizer, to: int | None = None) -> dict[str, An
     global rank ``to`` (``None`` elsewhere). An unsharded optimizer returns its own dict.
     """
     sharding: Sharding | None = getattr(optimizer, "metadist_sharding", None)
-    if sharding is None:  # replicated: every rank holds it all; a copy, as for shards
-        return copy.deepcopy(optimizer.state_dict())
+    if sharding is None:
+        where = replicated_optimizer(optimizer)
+        if all(s.state_shape is None for s in where.stepped):
+            # replicated: every rank holds it all; a copy, as for shards
+            return copy.deepcopy(optimizer.state_dict())
+        # zero3/hsdp parameters stepped as they are: each rank holds their slices' state
+        sliced = gather_state(where, optimizer, to)
+        if sliced is None:
+            return None
+        return {"state": dict(sorted(sliced.items())),
+                "param_groups": numbered_groups(optimizer.param_groups, where.counts)}
     original = sharding.original
     state = sharding.layout.full_state(optimizer, original, to)
     if state is None:

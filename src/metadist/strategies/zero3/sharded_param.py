@@ -100,6 +100,14 @@ class ShardedParam(torch.Tensor):
         out._is_param = True  # isinstance(p, nn.Parameter) holds, as for FSDP2's
         return out
 
+    def to_local(self) -> torch.Tensor:
+        """This rank's slice of the parameter (a view of its flat's shard, possibly empty),
+        as DTensor's ``to_local`` gives a rank's part."""
+        start, stop = _range(*self.source)
+        with torch._C.DisableTorchFunctionSubclass():
+            local: torch.Tensor = self.source[0].shard.as_subclass(torch.Tensor)[start:stop]
+        return local
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:

@@ -149,7 +149,7 @@ def test_sharded_clipping_of_float64_gradients_is_float64(strategy: str) -> None
     """strategy.clip_grad_norm_ computes a float64 model's norm in float64, as torch does
     (measured 1.1e-16 under ddp and zero1; 1e-13 leaves room for the order of the ranks'
     sums). zero2 and zero3 summed it in float32 (off by 1.2e-8 and 4.8e-8, a float32 norm)
-    until clip_sharded_grads summed in float64."""
+    until their sum was in float64."""
     for norm, is_float64 in run_on_ranks(_float64_clip, 3, args=(strategy,)):
         assert norm < 1e-13 and is_float64, (norm, is_float64)
 

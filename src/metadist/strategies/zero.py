@@ -14,7 +14,7 @@ region of exactly their size, which the parameters are views into (no copies, no
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
@@ -26,7 +26,6 @@ from torch.optim import Optimizer
 
 from metadist.comm import ops
 from metadist.comm.handle import Handle
-from metadist.runtime.world import Group
 from metadist.strategies import step_chain
 from metadist.strategies.buckets import Reducer
 from metadist.strategies.ddp import DDPConfig, DDPStrategy, ReplicatedModule, prepare_replicated
@@ -34,6 +33,7 @@ from metadist.strategies.module import DistributedModule
 from metadist.strategies.placement import OptimizerPlacement, Stepped, whole_tensor
 from metadist.strategies.registry import register
 from metadist.strategies.sharded_optim import OptimizerLayout, shard_optimizer
+from metadist.strategies.tensors import grad_norm
 from metadist.strategies.tensors.grad_norm import Split
 
 
@@ -315,38 +315,8 @@ class _ZeroStrategy(DDPStrategy):
                 and module.reducer is not None):
             return super()._clip_grad_norm(module, max_norm, norm_type)
         module.reducer.sync()
-        owned = [p for p in module.parameters() if p.grad is not None
-                 and module.owners.get(p) == self.world.rank]
-        return clip_sharded_grads(owned, max_norm, norm_type)
-
-
-def clip_sharded_grads(grads_of: Sequence[torch.Tensor], max_norm: float,
-                       norm_type: float = 2.0, group: Group = None) -> torch.Tensor:
-    """Clip gradients that are split across the ranks of ``group`` (each rank passes the
-    tensors whose gradients it holds); returns the global norm, identical on every rank."""
-    norm_type = float(norm_type)
-    device = grads_of[0].grad.device if grads_of else torch.device("cpu")  # type: ignore[union-attr]
-    grads = [p.grad.detach() for p in grads_of if p.grad is not None]
-    # Summed in float64 on every rank (as grad_norm's parts are): a float32 sum of a
-    # float64 model's gradients would be off in the 8th digit; returned in the parameters'
-    # dtype (float32 and below: float32, as torch's clip_grad_norm_ reports it).
-    dtype = grads_of[0].dtype if grads_of and grads_of[0].dtype == torch.float64 else \
-        torch.float32
-    if norm_type == float("inf"):
-        local = max((g.abs().max().double() for g in grads),
-                    default=torch.zeros((), dtype=torch.float64, device=device))
-        total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
-        ops.all_reduce(total, "max", group=group)
-    else:
-        local = sum((g.double().norm(norm_type) ** norm_type for g in grads),
-                    torch.zeros((), dtype=torch.float64, device=device))
-        total = torch.as_tensor(local, dtype=torch.float64, device=device).clone()
-        ops.all_reduce(total, "sum", group=group)
-        total = total ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return total.to(dtype)
+        # every rank passes every parameter: the owners' gradients count, once each
+        return grad_norm.clip_grad_norm_(list(module.parameters()), max_norm, norm_type)
 
 
 @register("zero1", "zero")

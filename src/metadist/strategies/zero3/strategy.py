@@ -58,7 +58,6 @@ from metadist.strategies.sharded_optim import shard_optimizer
 from metadist.strategies.state_dict import ShardedStateDict, parameter_order
 from metadist.strategies.tensors import grad_norm
 from metadist.strategies.tensors.grad_norm import Split
-from metadist.strategies.zero import clip_sharded_grads
 from metadist.strategies.zero3 import sharded_fast
 from metadist.strategies.zero3.backward_coordinator import BackwardCoordinator
 from metadist.strategies.zero3.flat import FlatParam
@@ -480,6 +479,8 @@ class Zero3Strategy(Strategy):
 
     def _clip_grad_norm(self, module: DistributedModule, max_norm: float,
                         norm_type: float) -> torch.Tensor:
+        # every flat's shard on every rank, also one without a gradient here: each group's
+        # sum then pairs across ranks (strategies/tensors/grad_norm.py)
         shards = [flat.shard for flat in getattr(module, "flats", ())
-                  if flat.shard.grad is not None]
-        return clip_sharded_grads(shards, max_norm, norm_type, group=self.groups()[0])
+                  if flat.shard.requires_grad]
+        return grad_norm.clip_grad_norm_(shards, max_norm, norm_type)

@@ -292,3 +292,45 @@ def test_optimizer_state_read_by_parameter(strategy: str, n: int, nodes: int) ->
         assert out["got"].keys() == out["want"].keys()
         for name, values in out["want"].items():  # float32 sums and norms: 1e-5 relative
             assert out["got"][name] == pytest.approx(values, rel=1e-5, abs=1e-9), name
+
+
+def _local_and_full(strategy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    s = metadist.strategy(strategy, min_unit_params=10)
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    _steps(s, model, opt, range(3))
+    _plain_steps(plain, torch.optim.Adam(plain.parameters(), lr=0.01), range(3))
+    params = dict(model.named_parameters())
+    full = {n: p.full_tensor() for n, p in params.items()}
+    runs = {}
+    for n, p in params.items():  # where this rank's slice sits in the whole, flattened
+        local, whole = p.to_local(), full[n].detach().reshape(-1)
+        runs[n] = next(k for k in range(whole.numel() - local.numel() + 1)
+                       if torch.equal(whole[k:k + local.numel()], local))
+    opt.zero_grad()
+    loss = sum((f ** 2).sum() for f in full.values())
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()  # into the shards
+    grads = {n: (p.grad, 2 * p.to_local()) for n, p in params.items() if p.to_local().numel()}
+    return {"full": {n: f.detach() for n, f in full.items()},
+            "want": {"module." + n: p.detach() for n, p in plain.named_parameters()},
+            "numel": {n: p.to_local().numel() for n, p in params.items()},
+            "runs": runs, "grads": grads}
+
+
+@pytest.mark.parametrize(("strategy", "n", "nodes"), SHARDED[1:])
+def test_to_local_and_full_tensor_as_dtensor_gives_them(strategy: str, n: int,
+                                                        nodes: int) -> None:
+    """``p.to_local()`` is this rank's slice (the ranks' slices make up the parameter once
+    per replica), ``p.full_tensor()`` the whole parameter, differentiable into the shards
+    (the gradient of the same loss on every rank is one process's: averaged)."""
+    outs = run_on_ranks(_local_and_full, n, args=(strategy,), nnodes=nodes)
+    replicas = 2 if strategy == "hsdp" else 1
+    for out in outs:
+        assert_tensors_close(out["full"], out["want"])
+        assert_tensors_close({n: g for n, (g, _) in out["grads"].items()},
+                             {n: w for n, (_, w) in out["grads"].items()})
+    for name, p in outs[0]["want"].items():
+        assert sum(out["numel"][name] for out in outs) == replicas * p.numel(), name

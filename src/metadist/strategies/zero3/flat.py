@@ -275,10 +275,18 @@ class FlatParam:
             if self.gathered:
                 self.wait()
                 return self.full.detach().clone()
-            out = torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
-            src = self.shard.detach().to(self.device, self.compute_dtype)
-            ops.all_gather(out, src, group=self.group)
-            return out
+            return self.gather_laid_out(self.shard.detach().to(self.compute_dtype))
+
+    def gather_laid_out(self, local: torch.Tensor) -> torch.Tensor:
+        """Collective: a fresh full (padded) tensor of every rank's ``local``, a tensor laid
+        out like this rank's shard (the shard itself, a per-element optimizer state), in
+        ``local``'s dtype. The one blocking gather of a flat: state dicts, consolidation and
+        regrouping read whole values through it."""
+        out = torch.empty(self.padded, dtype=local.dtype, device=self.device)
+        with torch.no_grad():
+            ops.all_gather(out, local.detach().as_subclass(torch.Tensor).to(self.device),
+                           group=self.group)
+        return out
 
     def views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Parameter-shaped views of ``full``: one node in backward, which records which of

@@ -80,8 +80,7 @@ class FlatLayout(OptimizerLayout):
             for key in sorted(entry):
                 value = entry[key]
                 if per_element(key, value, flat.shard.shape):
-                    full = value.new_empty(flat.padded, device=flat.device)
-                    ops.all_gather(full, value.to(flat.device), group=flat.group)
+                    full = flat.gather_laid_out(value)
                     for d, v in zip(per_param, flat.views(full), strict=True):
                         d[key] = v.cpu().clone()
                 else:

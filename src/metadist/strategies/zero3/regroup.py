@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from metadist.comm import ops
 from metadist.strategies.zero3.flat import FlatParam, Slot
 from metadist.strategies.zero3.sharded_param import ShardedParam
 
@@ -113,9 +112,7 @@ def _split(flat: FlatParam, group_of: dict[int, int], build: Build) -> list[Flat
     """New flats for ``flat``'s parameters, one per group, holding their current values;
     the user's modules keep ``flat``'s placeholders, pointed at the new flats."""
     flat.release()
-    full = flat.shard.new_empty(flat.padded)
-    with torch.no_grad():
-        ops.all_gather(full, flat.shard.detach().as_subclass(torch.Tensor), group=flat.group)
+    full = flat.gather_laid_out(flat.shard)
     values = full.split([*(s.numel for s in flat.slots), flat.padded - flat.numel])
     uses: list[Any] = []
     for slot, p, v in zip(flat.slots, flat.originals, values, strict=False):

@@ -16,6 +16,9 @@ a view, possibly empty) under the shard-value policy (strategies/tensors/shard_v
 * anything that combines elements otherwise (a matmul, a reshape) stops, naming the
   parameter and what to read instead (``model.full_parameters()``).
 
+As for a DTensor, ``p.to_local()`` is this rank's slice and ``p.full_tensor()`` the whole
+parameter (collective, differentiable into the shard).
+
 ``p.grad`` is this rank's slice of the parameter's reduced gradient (None: no backward
 reduced into its unit since the gradient was last set to None); ``p.grad = None`` clears
 that parameter's gradient alone. ``p.requires_grad_`` is the user's flag: a flat's shard
@@ -107,6 +110,16 @@ class ShardedParam(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             local: torch.Tensor = self.source[0].shard.as_subclass(torch.Tensor)[start:stop]
         return local
+
+    def full_tensor(self) -> torch.Tensor:
+        """Collective (every rank calls it for the same parameters, in the same order, as
+        DTensor's ``full_tensor``): the whole parameter, differentiable into its flat's
+        shard where that is trained; the values a running computation binds, if any."""
+        bound = resolved(self.source)
+        if bound is not None:
+            return bound
+        flat, index = self.source
+        return flat.owned_views()[index]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),

@@ -119,7 +119,8 @@ class ShardedParam(torch.Tensor):
         if bound is not None:
             return bound
         flat, index = self.source
-        return flat.owned_views()[index]
+        whole: torch.Tensor = flat.owned_views()[index]
+        return whole
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),

@@ -334,3 +334,43 @@ def test_to_local_and_full_tensor_as_dtensor_gives_them(strategy: str, n: int,
                              {n: w for n, (_, w) in out["grads"].items()})
     for name, p in outs[0]["want"].items():
         assert sum(out["numel"][name] for out in outs) == replicas * p.numel(), name
+
+
+def _full_grads(strategy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = Net()
+    plain = copy.deepcopy(net)
+    options = {"min_unit_params": 10} if strategy != "zero2" else {}
+    s = metadist.strategy(strategy, **options)
+    model, opt = s.setup(net, torch.optim.Adam(net.parameters(), lr=0.01))
+    _steps(s, model, opt, range(2))
+    _plain_steps(plain, torch.optim.Adam(plain.parameters(), lr=0.01), range(2))
+    w = metadist.world()
+    per = GLOBAL_BATCH // w.world_size
+    x, y = _batch(2)
+    s.backward(nn.functional.mse_loss(model(x[w.rank * per:(w.rank + 1) * per]),
+                                      y[w.rank * per:(w.rank + 1) * per]))
+    nn.functional.mse_loss(plain(x), y).backward()
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    doubled = {n: (p.grad * 2).full_tensor() for n, p in model.named_parameters()}
+    want = {"module." + n: p.grad for n, p in plain.named_parameters()}
+    try:
+        next(iter(model.parameters())).grad.sum(0, keepdim=True).full_tensor()
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"got": got, "doubled": doubled, "want": want, "refused": refused}
+
+
+@pytest.mark.parametrize(("strategy", "n", "nodes"),
+                         [("zero2", 3, 1), ("zero3", 2, 1), ("zero3", 3, 1), ("hsdp", 4, 2)])
+def test_gradients_full_tensor_is_the_whole_gradient(strategy: str, n: int,
+                                                     nodes: int) -> None:
+    """``p.grad.full_tensor()`` (collective, as DTensor's) is one process's gradient: a
+    zero2 gradient's owner's values, a zero3/hsdp gradient's slices put together; a value
+    computed element by element from it too; a reduction over part of a slice stops first."""
+    for out in run_on_ranks(_full_grads, n, args=(strategy,), nnodes=nodes):
+        assert_tensors_close(out["got"], out["want"])
+        assert_tensors_close(out["doubled"], {k: 2 * v for k, v in out["want"].items()})
+        if strategy != "zero2":
+            assert "sum across the elements of a zero3/hsdp shard" in out["refused"]

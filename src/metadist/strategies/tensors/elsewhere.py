@@ -38,6 +38,7 @@ from metadist.strategies.tensors.whole_reductions import (
     READS,
     WHOLE,
     Span,
+    full_of,
     local_caller,
     read_whole,
     reduce_whole,
@@ -83,6 +84,10 @@ class ElsewhereGrad(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"ElsewhereGrad(shape={tuple(self.shape)}, dtype={self.dtype}, of the gradient "
                 f"of {self.param_name!r}: kept by rank {self.owner})")
+
+    def full_tensor(self) -> Tensor:
+        """Collective over the group, as DTensor's: the owner's gradient."""
+        return full_of(self)
 
     def __format__(self, spec: str) -> str:
         if spec:  # a number's format: its owner's value, or a refusal
@@ -226,6 +231,10 @@ class OwnedGrad(Tensor):
                                                source._metadist_span.group)
                         if isinstance(t, Tensor) and id(t) not in inputs
                         and t.shape == source.shape else t, out)
+
+    def full_tensor(self) -> Tensor:
+        """Collective over the group, as DTensor's: this gradient on every rank."""
+        return full_of(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Saved as a plain tensor: a file loads without metadist."""

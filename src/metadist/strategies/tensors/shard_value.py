@@ -45,6 +45,7 @@ from metadist.strategies.tensors.whole_reductions import (
     WHOLE,
     called_by_owner,
     carry,
+    full_of,
     local_caller,
     reduce_whole,
     span_of,
@@ -137,6 +138,11 @@ class ShardValue(Tensor):
         out = tree_map(_as_value, out)
         carry(out, args, kwargs)
         return out
+
+    def full_tensor(self) -> Tensor:
+        """Collective, as DTensor's: the whole tensor this is this rank's slice of
+        (whole_reductions.py ``full_of``)."""
+        return full_of(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Saved as a plain tensor: a file loads without metadist (``weights_only`` too)."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -56,6 +57,9 @@ class Span:
     numel: int
     #: the group rank that holds the whole (zero2's owner); None where ranks hold slices
     owner: int | None = None
+    #: collective: the whole tensor from this rank's part (a value of the local shape),
+    #: where ranks hold slices whose places are known (zero3/hsdp parameters, flat shards)
+    assemble: Callable[[Tensor], Tensor] | None = field(default=None, compare=False)
 
 
 #: packages whose own code works on this rank's part as it is
@@ -116,6 +120,29 @@ def carry(out: Any, args: Any, kwargs: Any) -> None:
     for t in tree_flatten(out)[0]:
         if isinstance(t, Tensor) and t is not source and t.shape == source.shape:
             t._metadist_span = span  # type: ignore[attr-defined]
+
+
+def full_of(x: Tensor) -> Tensor:
+    """Collective over ``x``'s group, as DTensor's ``full_tensor``: the whole tensor ``x`` is
+    this rank's part of (a zero2 gradient: its owner's values; a zero3/hsdp gradient, slice
+    or value computed from one element by element: the ranks' slices put together). Values,
+    not differentiable."""
+    span = span_of(x)
+    if span is None or (span.owner is None and span.assemble is None):
+        raise ValueError(
+            "full_tensor() of a tensor whose place in a whole is not known (not a zero2 or "
+            "zero3/hsdp gradient, a parameter's slice, or a value of the same shape computed "
+            "from one element by element); use p.full_tensor() of a parameter or "
+            "model.full_parameters()")
+    with torch._C.DisableTorchFunctionSubclass():
+        local = x.detach().as_subclass(Tensor)
+        if span.owner is None:
+            assert span.assemble is not None
+            return span.assemble(local)
+        values = (local.contiguous().clone() if span.valid
+                  else torch.empty(tuple(x.shape), dtype=x.dtype, device=x.device))
+    ops.broadcast(values, span.owner, group=span.group)
+    return values
 
 
 #: reads of a tensor's values answered, where one rank holds the whole, with its values

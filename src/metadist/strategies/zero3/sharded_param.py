@@ -32,6 +32,7 @@ conversion (``p.to``), stops as before: strategies/zero3/foreign_runs.py.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -208,7 +209,7 @@ def _no_values(fqn: str, name: str) -> str:
         f"{name} of {fqn!r} reads or combines all of the parameter's elements, and under "
         "zero3/fsdp/hsdp this rank holds only a slice of it (the whole parameter exists "
         "only while the module holding it runs its forward). Compute with it inside that "
-        "forward, or read "
+        "forward, or read the parameter's full_tensor() or "
         f"model.full_parameters()[{fqn!r}] (collective, differentiable into the shards); "
         "element-wise arithmetic (p.mul_(c), p.grad.clamp_(-c, c)) and whole reductions "
         "(p.grad.norm(), p.abs().max()) run as they are")
@@ -241,10 +242,28 @@ def _range(flat: Any, index: int) -> tuple[int, int]:
     return start, max(start, stop)
 
 
+def _assemble(flat: Any, index: int, local: torch.Tensor) -> torch.Tensor:
+    """Collective: the whole parameter-shaped tensor whose slice on each rank is ``local``
+    (the parameter's gradient, a value computed from its slice)."""
+    start, stop = _range(flat, index)
+    if local.numel() != stop - start:
+        raise ValueError(
+            f"full_tensor() of a tensor of {local.numel()} elements, whose place in "
+            f"{flat.slots[index].fqn!r} is this rank's slice of {stop - start}: only values of "
+            "the slice's shape (the gradient, values computed from it element by element) "
+            "have one")
+    laid_out = torch.zeros(flat.shard_size, dtype=local.dtype, device=flat.device)
+    laid_out[start:stop] = local.reshape(-1)
+    slot = flat.slots[index]
+    whole: torch.Tensor = flat.gather_laid_out(laid_out)
+    return whole[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+
+
 def _spanned(t: torch.Tensor, flat: Any, index: int) -> ShardValue:
     out = t.as_subclass(ShardValue) if not isinstance(t, ShardValue) else t
     out._metadist_span = Span(flat.group, t.numel(),  # type: ignore[attr-defined]
-                              flat.slots[index].numel)
+                              flat.slots[index].numel,
+                              assemble=functools.partial(_assemble, flat, index))
     return out
 
 

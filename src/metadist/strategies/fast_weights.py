@@ -52,10 +52,14 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves, tree_map_only
 
-from metadist.strategies.tensors.shard_piece import as_piece, plain, shard_internals
+from metadist.strategies.tensors.shard_piece import (
+    ElementWise,
+    as_piece,
+    plain,
+    shard_internals,
+)
 
 
 class FastLayout(Protocol):
@@ -118,7 +122,7 @@ class FastWeights:
         under zero3/hsdp, so anything else (a sum, a norm, a reshape) would mean different
         things: it raises under every strategy."""
         args = [self._pieces_of(o) for o in others]
-        with ElementwiseOnly():
+        with ElementWise(_not_element_wise):
             return FastWeights(self.layout, tuple(fn(p, *(a[i] for a in args))
                                                   for i, p in enumerate(self.pieces)))
 
@@ -258,36 +262,14 @@ def layout_of(spec: TreeSpec) -> Any:
     return spec.context if spec.type is FastWeights else None
 
 
-# Operators that keep their input's shape but combine elements along it.
-_ALONG = frozenset({"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "sort",
-                    "argsort", "flip", "roll", "_softmax", "_log_softmax", "softmax",
-                    "log_softmax", "renorm", "gather", "scatter", "scatter_add",
-                    "index_select", "take", "put", "_fft_r2c", "_fft_c2c", "_fft_c2r"})
-
-
-class ElementwiseOnly(TorchDispatchMode):
-    """Inside: an operator whose output is not its inputs' broadcast shape (a reduction, a
-    view that reshapes, indexing) or that combines elements along a dimension raises."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        name = func.__name__.split(".")[0].rstrip("_")
-        shapes = [t.shape for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        expected = torch.broadcast_shapes(*shapes) if shapes else None
-        bad = name in _ALONG or any(
-            isinstance(t, Tensor) and expected is not None and t.shape != expected
-            for t in tree_leaves(out))
-        if bad:
-            raise ValueError(
-                f"fast-weight arithmetic ran {func.__name__}, which is not element-wise: a "
-                "piece of fast weights is a whole parameter under some strategies and a flat "
-                "slice of several under zero3/hsdp, so it would mean different things. Use "
-                "fast.dot(other) or fast.norm() for a sum over every parameter (one "
-                "collective where sharded), fast.like({name: tensor}) for per-parameter "
-                "values (a learning rate per parameter), or model.functional_forward(fast, "
-                "...) for anything that needs whole parameters")
-        return out
+def _not_element_wise(op: str) -> str:
+    return (f"fast-weight arithmetic ran {op}, which is not element-wise: a piece of fast "
+            "weights is a whole parameter under some strategies and a flat slice of several "
+            "under zero3/hsdp, so it would mean different things. Use fast.dot(other) or "
+            "fast.norm() for a sum over every parameter (one collective where sharded), "
+            "fast.like({name: tensor}) for per-parameter values (a learning rate per "
+            "parameter), or model.functional_forward(fast, ...) for anything that needs "
+            "whole parameters")
 
 
 class ReplicatedLayout:

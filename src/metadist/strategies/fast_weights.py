@@ -54,12 +54,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, register_pytree_node, tree_leaves, tree_map_only
 
-from metadist.strategies.tensors.shard_piece import (
-    ElementWise,
-    as_piece,
-    plain,
-    shard_internals,
-)
+from metadist.strategies.tensors.policy import ElementWise
+from metadist.strategies.tensors.shard_piece import as_piece, plain, shard_internals
 
 
 class FastLayout(Protocol):

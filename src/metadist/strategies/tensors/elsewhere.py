@@ -33,22 +33,22 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
 from metadist.runtime.world import Group
-from metadist.strategies.tensors.shard_piece import _METADATA, function_name
-from metadist.strategies.tensors.whole_reductions import (
+from metadist.strategies.tensors.policy import (
+    METADATA,
+    PLAIN,
     READS,
+    STORAGES,
+    VALUE_READS,
     WHOLE,
+    function_name,
+)
+from metadist.strategies.tensors.whole_reductions import (
     Span,
     full_of,
     local_caller,
     read_whole,
     reduce_whole,
 )
-
-_READS = frozenset({"numpy", "tolist", "item", "__array__", "__bool__", "__float__",
-                    "__int__", "__index__", "__complex__", "data_ptr", "__dlpack__"})
-
-#: what holds this rank's part of the values: nothing (a memory measure reads 0 bytes here)
-_STORAGES = frozenset({"untyped_storage", "storage", "_typed_storage"})
 
 ADVICE = (
     "Use torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) or "
@@ -110,13 +110,13 @@ class ElsewhereGrad(Tensor):
                 done, value = read_whole(name, args, kwargs or {})
                 if done:
                     return value
-        if name in _STORAGES:
+        if name in STORAGES:
             empty = torch.UntypedStorage(0, device=_first(args, kwargs).device)
             if name == "untyped_storage":
                 return empty
             return torch.TypedStorage(wrap_storage=empty, dtype=_first(args, kwargs).dtype,
                                       _internal=True)
-        if name in _READS:
+        if name in VALUE_READS:
             raise ValueError(_message(_first(args, kwargs), f"{name.strip('_')}() reads"))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
@@ -136,7 +136,7 @@ class ElsewhereGrad(Tensor):
             raise ValueError(_message(first, f"{op} would write", into=True))
         out = func(*_on_meta(args), **_on_meta(kwargs))
         values = tree_flatten(out)[0]
-        if op not in _METADATA and any(not isinstance(v, Tensor) for v in values):
+        if op not in METADATA and any(not isinstance(v, Tensor) for v in values):
             raise ValueError(_message(first, f"{op} reads"))
         device = kwargs.get("device") or first.device  # a copy elsewhere moves it
         return tree_map(lambda t: _placeholder(t, first, device) if isinstance(t, Tensor)
@@ -243,8 +243,7 @@ class OwnedGrad(Tensor):
 
 
 #: calls whose results are not values computed from the gradient
-_PLAIN_RESULTS = frozenset({"__repr__", "__str__", "__format__", "grad", "backward",
-                            "__reduce_ex__", "as_subclass", "detach"})
+_PLAIN_RESULTS = PLAIN | {"__reduce_ex__", "as_subclass", "detach"}
 
 
 def _foreach(func: Any, args: Any, kwargs: Any) -> Any:

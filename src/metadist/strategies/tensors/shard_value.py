@@ -16,7 +16,7 @@ open, so the shard's type carries the rule instead:
   gradient written by hand, its largest element) is computed over the unit's parameters,
   as one process computes it, in one all-reduce (whole_reductions.py);
 * a call a program makes whose operators combine elements raises, naming what to call
-  instead (``shard_piece.ElementWise`` watches the operators torch runs; ``ACROSS`` names
+  instead (``policy.ElementWise`` watches the operators torch runs; ``policy.ACROSS`` names
   the calls that run none, such as ``numpy``); freezing some shards but not all stops at
   the next forward (:func:`check_toggles`): a shard freezes its whole unit;
 * the packages that own shards (strategies, checkpoint, comm, runtime, meta, testing) work
@@ -34,15 +34,17 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from metadist.strategies.tensors.shard_piece import (
+from metadist.strategies.tensors.policy import (
     ACROSS,
+    PLAIN,
+    WHOLE,
     ElementWise,
-    internal,
+    function_name,
     known_element_wise,
     masked_assignment,
 )
+from metadist.strategies.tensors.shard_piece import internal
 from metadist.strategies.tensors.whole_reductions import (
-    WHOLE,
     called_by_owner,
     carry,
     full_of,
@@ -53,8 +55,7 @@ from metadist.strategies.tensors.whole_reductions import (
 
 # Run as on plain tensors: printing, autograd's entry points, pickling, and an explicit
 # ``p.as_subclass(torch.Tensor)`` (this rank's slice, asked for by name).
-_PLAIN = frozenset({"__repr__", "__str__", "__format__", "grad", "_grad", "backward",
-                    "__reduce_ex__", "as_subclass"})
+_PLAIN = PLAIN | {"_grad", "__reduce_ex__", "as_subclass"}
 _ADVICE = (
     "under zero3/fsdp/hsdp each rank holds a slice of every parameter, of its gradient and "
     "of its optimizer state, so it would compute this rank's part, not what one process "
@@ -69,14 +70,6 @@ _AMP_ADVICE = (
     "differ would skip different steps and the model would leave one process's path; use "
     "metadist.strategy(..., precision=\"16-mixed\"), whose loss scaler agrees across ranks "
     "before any step")
-
-
-def _name(func: Any) -> str:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):  # a property: by its own name, and whether it is set
-        prop = getattr(getattr(func, "__self__", None), "__name__", name)
-        return f"{prop}=" if name == "__set__" else prop
-    return name
 
 
 def _as_value(t: Any) -> Any:
@@ -114,7 +107,7 @@ class ShardValue(Tensor):
         if DEFERS_TO and any(issubclass(t, DEFERS_TO) for t in types):
             return NotImplemented  # a zero3 parameter in the call: its type decides
         kwargs = kwargs or {}
-        name = _name(func)
+        name = function_name(func, setters=True)
         if name in _PLAIN or internal() or called_by_owner():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)

@@ -40,10 +40,7 @@ from torch.utils._pytree import tree_flatten
 from metadist.comm import ops
 from metadist.comm.ops import ReduceOpName
 from metadist.runtime.world import Group
-
-#: the whole-tensor reductions computed over the whole, by torch function name
-WHOLE = frozenset({"sum", "mean", "norm", "vector_norm", "linalg_vector_norm", "amax", "amin",
-                   "max", "min", "count_nonzero", "all", "any"})
+from metadist.strategies.tensors.policy import READS, WHOLE
 
 
 @dataclass(frozen=True)
@@ -145,9 +142,6 @@ def full_of(x: Tensor) -> Tensor:
     return values
 
 
-#: reads of a tensor's values answered, where one rank holds the whole, with its values
-READS = frozenset({"item", "tolist", "numpy", "__array__", "__float__", "__int__", "__bool__",
-                   "__index__", "__complex__", "__format__"})
 
 
 def read_whole(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:

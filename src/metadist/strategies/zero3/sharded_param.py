@@ -43,6 +43,12 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from metadist.strategies.tensors import shard_value
+from metadist.strategies.tensors.policy import (
+    CONVERSIONS,
+    DESCRIBES,
+    WHOLE_VALUES,
+    function_name,
+)
 from metadist.strategies.tensors.shard_value import ShardValue
 from metadist.strategies.tensors.whole_reductions import Span
 from metadist.strategies.zero3.foreign_runs import LIBRARIES, library_on_stack, per_rank_copy
@@ -61,31 +67,7 @@ def resolved(source: Any) -> torch.Tensor | None:
     return next((v for r in RESOLVERS if (v := r(source)) is not None), None)
 
 
-#: what a parameter answers from its description, by function or property name
-_DESCRIBES = frozenset({
-    "shape", "dtype", "is_meta", "size", "dim", "ndim", "numel", "requires_grad",
-    "is_leaf", "grad_fn", "layout", "is_floating_point", "is_complex", "element_size",
-    "_version", "__repr__", "__format__", "__hash__", "__eq__", "__len__", "is_sparse",
-    "itemsize", "nbytes", "names", "_is_view", "is_cuda"})
-
-#: what nn.Module._apply calls (module.to/cpu/cuda/float/...): answered with the set-up model
-_CONVERSIONS = frozenset({"to", "cpu", "cuda", "float", "double", "half", "bfloat16", "type",
-                          "share_memory_"})
-
 _FLAG = frozenset({"requires_grad_", "requires_grad="})
-
-#: copies and reads of all of the parameter's values: this rank holds a slice
-_WHOLE_VALUES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__",
-                           "numpy", "__array__", "tolist", "item", "__float__", "__int__",
-                           "__bool__", "__index__"})
-
-
-def _name(func: Any) -> str:
-    name = getattr(func, "__name__", str(func))
-    if name in ("__get__", "__set__"):  # a property: by the property's name
-        prop = getattr(getattr(func, "__self__", None), "__name__", name)
-        return f"{prop}=" if name == "__set__" else prop
-    return name
 
 
 class ShardedParam(torch.Tensor):
@@ -127,9 +109,9 @@ class ShardedParam(torch.Tensor):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name = _name(func)
+        name = function_name(func, setters=True)
         first = args[0] if args and isinstance(args[0], ShardedParam) else None
-        if name in _DESCRIBES:
+        if name in DESCRIBES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func is torch.autograd.grad:
@@ -156,14 +138,14 @@ class ShardedParam(torch.Tensor):
             raise RuntimeError(per_rank_copy(
                 f"{LIBRARIES[library]} read {fqn!r} ({name}) to copy the model, which "
                 "runs as it is under ddp, zero1 and zero2"))
-        if name in _CONVERSIONS:
+        if name in CONVERSIONS:
             raise RuntimeError(
                 f"{fqn!r} of the set-up model holds this rank's slice of its values under "
                 f"zero3/fsdp/hsdp, not values to move or convert ({name} read it). Move or "
                 "convert the model strategy.setup returned (model.to(...), model.float()), "
                 "which moves its shards and buffers")
         sliced = _replace(args, kwargs, lambda source: piece(*source))
-        if sliced is None or name in _WHOLE_VALUES:
+        if sliced is None or name in WHOLE_VALUES:
             raise RuntimeError(_no_values(fqn, name))
         try:
             return func(*sliced[0], **sliced[1])  # the shard-value policy decides

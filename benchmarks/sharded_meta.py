@@ -1,7 +1,8 @@
 """Second-order meta-learning beyond one rank's memory: per-rank peak of a meta-step.
 
     python -m benchmarks.sharded_meta [--width 2048] [--depth 6] [--batch 32] [--steps 5]
-                                      [--warmup 2] [--json PATH] [--quick]
+                                      [--warmup 2] [--allocator fixed|default]
+                                      [--json PATH] [--quick]
 
 The workload: an MLP of ``depth`` Linear(width, width) + tanh layers (width 2048, depth 6:
 96 MiB of float32 parameters), one inner problem whose global batch is split over the ranks,
@@ -15,7 +16,8 @@ step. Three ways, each at N = 1, 2 and 4 ranks (gloo, 1 thread per rank):
 Memory is the growth of each rank's peak during one meta-step, two ways: bytes of live
 storages (allocations seen by a dispatch mode; stable under load) and resident memory (the
 kernel's high-water mark, reset before the step, with glibc's mmap threshold fixed so that
-it follows the tensors: see :func:`_resident_follows_tensors`). The bound is issue 28's:
+it follows the tensors: see :func:`_resident_follows_tensors`; ``--allocator default``
+keeps glibc's defaults, as a user's program meets them). The bound is issue 28's:
 1.2 x (ddp's growth at N = 1) / N + twice the largest unit's full size. Time: medians of
 ``--steps`` meta-steps of each path in two processes of its own, then over ``--rounds``
 launches taking turns (see :func:`_time_body` for why not alternating steps).
@@ -90,6 +92,17 @@ def _step(s: Any, model: Any, opt: Any, x: Tensor, y: Tensor, path: str) -> None
             params = {n: p - LR * d for (n, p), d in zip(params.items(), grads, strict=True)}
         s.backward(_mse(model.functional_forward(params, xs), ys))
     opt.step()
+
+
+@contextmanager
+def _allocator(setting: str) -> Iterator[None]:
+    """``"fixed"``: :func:`_resident_follows_tensors`; ``"default"``: glibc as a user's
+    program meets it (what resident memory a user sees)."""
+    if setting == "default":
+        yield
+        return
+    with _resident_follows_tensors():
+        yield
 
 
 @contextmanager
@@ -252,7 +265,7 @@ def _memory_tables(out: Results, args: argparse.Namespace) -> None:
     runs += [("zero3", path, n, 1) for path in ("gathered", "sharded") for n in (1, 2, 4)]
     runs += [("hsdp", "sharded", 4, 2)]
     mem = {}
-    with _resident_follows_tensors():
+    with _allocator(args.allocator):
         for strategy, path, n, nodes in runs:
             mem[(strategy, path, n)] = metadist.launch(
                 _memory_body, n, args=(strategy, path, *shape), threads=1, nnodes=nodes,
@@ -261,7 +274,8 @@ def _memory_tables(out: Results, args: argparse.Namespace) -> None:
     one_live = mem[("ddp", "gathered", 1)]["live_max"]
     out.heading(f"per-rank peak growth of one meta-step: MLP {args.depth} x {args.width} "
                 f"({params * 4 / MIB:.0f} MiB float32), {K} inner steps with create_graph, "
-                f"global batch {args.batch}, gloo, 1 thread per rank")
+                f"global batch {args.batch}, gloo, 1 thread per rank, glibc allocator "
+                f"{'as by default' if args.allocator == 'default' else 'mmap threshold 1 MiB'}")
     rows: list[tuple[Any, ...]] = []
     records = []
     for (strategy, path, n), m in mem.items():
@@ -349,6 +363,10 @@ def main() -> None:
     ap.add_argument("--paths", default="sharded,serial,gathered",
                     help="the time comparison's paths: sharded and gathered, and serial "
                          "(sharded with prefetch=False)")
+    ap.add_argument("--allocator", choices=("fixed", "default"), default="fixed",
+                    help="the memory runs' glibc allocator: mmap threshold fixed at 1 MiB "
+                         "(resident memory follows the tensors) or as by default (what a "
+                         "user's program meets)")
     ap.add_argument("--parts", default="memory,time",
                     help="which tables: memory (and the largest model), time (and traffic)")
     output_args(ap)

@@ -147,13 +147,13 @@ def _every_op_then_what_is_left_waiting() -> list[str]:
     for impl in ("auto", "native"):
         for async_op in (False, True):
             for rows in (1, 1 << 18):  # below and above the ring threshold
-                comm.reduce_scatter(torch.empty(rows), torch.ones(n * rows), impl=impl,
+                comm.ops.reduce_scatter(torch.empty(rows), torch.ones(n * rows), impl=impl,
+                                        async_op=async_op).wait()
+                comm.ops.all_gather(torch.empty(n * rows), torch.ones(rows), impl=impl,
                                     async_op=async_op).wait()
-                comm.all_gather(torch.empty(n * rows), torch.ones(rows), impl=impl,
-                                async_op=async_op).wait()
-            comm.reduce(torch.ones(4), impl=impl, async_op=async_op).wait()
-        comm.all_reduce(torch.ones(4), async_op=async_op).wait()
-        comm.broadcast(torch.ones(4), async_op=async_op).wait()
+            comm.ops.reduce(torch.ones(4), impl=impl, async_op=async_op).wait()
+        comm.ops.all_reduce(torch.ones(4), async_op=async_op).wait()
+        comm.ops.broadcast(torch.ones(4), async_op=async_op).wait()
     comm.barrier()
     return [f"{e.op} #{e.seq}" for e in TRACKER.waiting()]
 

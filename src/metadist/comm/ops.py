@@ -112,7 +112,9 @@ def _check(name: str, backend: str, *tensors: torch.Tensor) -> None:
             f"{name}: tensors have different dtypes ({dtypes}); cast them to one dtype")
 
 
-def _reraise(entry: CollectiveCall, exc: BaseException) -> NoReturn:
+def reraise(entry: CollectiveCall, exc: BaseException) -> NoReturn:
+    """Raise ``exc`` from a call tracked as ``entry``, explained by the watchdog (which op,
+    which call, which ranks are missing) where it can."""
     better = watchdog.failed(entry, exc)
     if better is exc:
         raise exc
@@ -129,7 +131,7 @@ def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSp
             debug.check(entry, pg, size, dist.get_rank(), specs, reduce, root, where,
                         all_gather_single)
         except BaseException as exc:
-            _reraise(entry, exc)
+            reraise(entry, exc)
     return entry
 
 
@@ -154,7 +156,7 @@ def _launch(name: str, group: Group, tensors: Sequence[torch.Tensor], nbytes: in
     try:
         work = call(pg)
     except BaseException as exc:
-        _reraise(entry, exc)
+        reraise(entry, exc)
     works = work if isinstance(work, list) else ([work] if work is not None else [])
     handle = Handle(result, works, finish, entry)
     if async_op:
@@ -170,7 +172,7 @@ def _blocking(name: str, pg: dist.ProcessGroup, size: int, call: Callable[[], An
     try:
         out = call()
     except BaseException as exc:
-        _reraise(entry, exc)
+        reraise(entry, exc)
     TRACKER.exit(entry)
     return out
 

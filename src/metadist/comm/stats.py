@@ -58,8 +58,10 @@ _totals: dict[str, OpStats] = {}
 def ring_wire_bytes(op: str, nbytes: int, group_size: int) -> float:
     """Bytes a rank sends on average for ``op`` on ``nbytes`` of payload (the ring model)."""
     n = group_size
-    if n <= 1 or op == "barrier":
+    if n <= 1 or op == "barrier" or op in ("recv", "irecv"):
         return 0.0
+    if op in ("send", "isend"):  # point to point: the sender sends it all
+        return float(nbytes)
     if op == "all_reduce":
         return 2.0 * nbytes * (n - 1) / n
     return float(nbytes) * (n - 1) / n

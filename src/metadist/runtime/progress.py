@@ -170,6 +170,10 @@ def _unpublished(entry: CollectiveCall, me: int, count: int) -> str:
             f"{reached}")
 
 
+#: point-to-point calls by direction (comm/api.py)
+_DIRECTION = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
 def explain(entry: CollectiveCall,
             states: Mapping[int, tuple[int, str] | Published | None] | None, me: int,
             progress: Progress) -> tuple[str, tuple[int, ...]]:
@@ -204,6 +208,12 @@ def explain(entry: CollectiveCall,
                               []).append(r)
         elif (theirs := op_at(state, entry.seq)) is None:  # past it, by more than it kept
             past.setdefault((state[0], state[1]), []).append(r)
+        elif entry.op in _DIRECTION:  # point to point: a send pairs with the peer's recv
+            if _DIRECTION.get(theirs) == _DIRECTION[entry.op]:
+                both = "receive" if _DIRECTION[entry.op] == "recv" else "send"
+                parts.append(f"rank {r} is in {theirs} #{entry.seq} too: both ranks {both}, so "
+                             "neither call can complete (each send pairs with one recv on the "
+                             "peer, in the same order on both ranks)")
         elif theirs != entry.op:
             diverged.setdefault(theirs, []).append(r)
     for state, ranks in sorted(behind.items(), key=lambda kv: kv[1][0]):

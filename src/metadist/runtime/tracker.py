@@ -117,6 +117,21 @@ class Tracker:
         if state is None:
             state = _GroupState(_describe(pg))
             self._groups[pg] = state
+        return self._enter(state, op, device)
+
+    def enter_p2p(self, op: str, me: int, peer: int, device: bool = False) -> CollectiveCall:
+        """Record that this rank is entering point-to-point ``op`` with global rank ``peer``:
+        counted on the pair's own sequence, since the group's other ranks take no part."""
+        key = ("p2p", min(me, peer), max(me, peer))
+        state = self._groups.get(key)
+        if state is None:
+            a, b = key[1], key[2]
+            state = _GroupState(GroupInfo(f"p2p {a}-{b}", (a, b),
+                                          f"the point-to-point pair of ranks {a} and {b}"))
+            self._groups[key] = state
+        return self._enter(state, op, device)
+
+    def _enter(self, state: _GroupState, op: str, device: bool) -> CollectiveCall:
         with self._lock:
             state.seq += 1
             state.op = op

@@ -63,6 +63,11 @@ class World:
         return self.rank == 0
 
     @property
+    def root_rank(self) -> int:
+        """The rank that plays root where a collective needs one and none is given (0)."""
+        return 0
+
+    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 

@@ -257,3 +257,54 @@ def test_an_optimizer_built_after_setup_saves_and_reshards(tmp_path: Any, fmt: s
     run_on_ranks(_own_format, 2, args=("zero3", path, True, fmt))
     for got in run_on_ranks(_own_format, 3, args=("zero3", path, False, fmt)):
         assert_tensors_close(got, _want())
+
+
+class WithScalar(nn.Module):
+    """A 0-dim parameter (in a flat shard like any other) and BatchNorm's buffers (a 0-dim
+    counter among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 3)
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(torch.tanh(self.embed(x)))) / self.temperature
+
+
+def _save_with_scalar(path: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    s = metadist.strategy("zero3", min_unit_params=10, sync_batchnorm=True)
+    model = s.setup_module(WithScalar())
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    w = metadist.world()
+    per = GLOBAL_BATCH // w.world_size
+    for step in range(3):
+        x, y = _batch(step)
+        x = x[:, :4]
+        part = slice(w.rank * per, (w.rank + 1) * per)
+        s.backward(nn.functional.mse_loss(model(x[part]), y[part]))
+        opt.step()
+        opt.zero_grad()
+    msd, osd = metadist_dcp.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": s.optimizer_state_dict(opt)}
+
+
+def test_a_zero_dim_parameter_and_batchnorm_buffers_round_trip(tmp_path: Any) -> None:
+    path = str(tmp_path / "dcp")
+    saved = run_on_ranks(_save_with_scalar, 3, args=(path,))[0]
+    torch.manual_seed(7)
+    plain = WithScalar()
+    opt = torch.optim.Adam(plain.parameters(), lr=0.05)
+    msd, osd = torch_state.get_state_dict(plain, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path, no_dist=True)
+    torch_state.set_state_dict(plain, opt, model_state_dict=msd, optim_state_dict=osd)
+    for name, value in saved["model"].items():  # copies of the same bytes: equal
+        assert torch.equal(plain.state_dict()[name], value), name
+    for index, entry in saved["optim"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(opt.state_dict()["state"][index][key], value), (index, key)

@@ -7,7 +7,10 @@ steps next; each step runs ``on_inner_loop_start`` (at a window's start), Betty'
 boundaries (``custom_optimizer_step`` when defined, clipping when ``gradient_clipping`` >
 0), ``param_callback``, and the LR scheduler on *every* micro-step, as Betty does. With
 ``roll_back`` a lower problem returns to its window's start after its uppers stepped and
-retakes one step on its last batch.
+retakes one step on its last batch. Each step goes through the problem's
+``one_step_descent`` and ``optimizer_step``, so a subclass's overrides of them run where
+Betty runs them; an override of ``backward``, ``step_normal`` or ``step_after_roll_back``
+is refused when the engine is built (the drop-in has no such step to replace).
 
 A DataLoader's ``batch_size`` is per rank, as in Betty's distributed mode: N ranks read the
 global batch of N x batch_size consecutive samples that one process with batch_size
@@ -35,6 +38,14 @@ from metadist.meta.engine import Engine as NativeEngine
 from metadist.strategies.fast_weights import FastWeights
 
 _warned_batchnorm = False  # the warning below is said once per process
+
+
+#: Betty's Problem methods a subclass may override that the drop-in has no counterpart to
+_NOT_CALLED = {
+    "backward": "the direct and best-response gradients",
+    "step_normal": "the unrolling and the uppers' steps",
+    "step_after_roll_back": "the steps after a roll_back",
+}
 
 
 def _native(config: EngineConfig) -> NativeConfig:
@@ -154,6 +165,16 @@ class Engine(NativeEngine):
                 self.leaves_list.append(p)
 
     def _check_methods(self, problems: list[Problem]) -> None:
+        for p in problems:
+            for name, what in _NOT_CALLED.items():
+                if getattr(type(p), name, None) is not None:
+                    raise NotImplementedError(
+                        f"{type(p).__name__}.{name} overrides Betty's Problem.{name}, which "
+                        f"this drop-in never calls: {what} run through metadist's engine "
+                        "under every strategy, so the override would be skipped silently. "
+                        "Put the change in an override of optimizer_step or "
+                        "one_step_descent (both called where Betty calls them), or in "
+                        "param_callback")
         for upper in problems:
             for path in upper.paths:
                 for curr in path[1:-1]:
@@ -210,7 +231,7 @@ class Engine(NativeEngine):
                 p.cache_states()
         if p._training:
             p._count += 1
-        stats = self._descent(p)
+        stats = p.one_step_descent()
         if p.scheduler is not None and not p._roll_back:
             p.scheduler.step()
         log_step = p.config.log_step
@@ -232,7 +253,7 @@ class Engine(NativeEngine):
             return
         if p._roll_back:
             p.recover_states()
-            self._descent(p, p.cur_batch)
+            p.one_step_descent(batch=p.cur_batch)
             if p.scheduler is not None:
                 p.scheduler.step()
             for parent in p.parents:
@@ -276,11 +297,6 @@ class Engine(NativeEngine):
         return stats
 
     def _optimizer(self, p: Any) -> None:
-        if p.config.gradient_clipping > 0.0:
-            p.clip_grad()
-        if p.is_implemented("custom_optimizer_step"):
-            p.custom_optimizer_step()
-            return
-        p.optimizer.step()
-        if p.config.type == "sama":
+        p.optimizer_step()  # Betty's, or a subclass's override of it
+        if p.config.type == "sama" and not p.is_implemented("custom_optimizer_step"):
             record_last_grads(p)

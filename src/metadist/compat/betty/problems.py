@@ -258,6 +258,26 @@ class Problem(NativeProblem):
             raise RuntimeError(f"problem {self._betty_name!r} is not part of an engine yet")
         engine._betty_step(self, global_step)
 
+    # ----- Betty's steps a subclass may override (the engine calls these) ---------------------
+    def one_step_descent(self, batch: Any = None) -> dict[str, Any]:
+        """Betty's one gradient step: the next batch (or ``batch``), the loss, its gradient
+        and, at an accumulation boundary, :meth:`optimizer_step`; returns the logged stats."""
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError(f"problem {self._betty_name!r} is not part of an engine yet")
+        stats: dict[str, Any] = engine._descent(self, batch)
+        return stats
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Betty's update at an accumulation boundary: clipping (``gradient_clipping`` > 0),
+        then ``custom_optimizer_step`` where defined, else the optimizer's step."""
+        if self.config.gradient_clipping > 0.0:
+            self.clip_grad()
+        if self.is_implemented("custom_optimizer_step"):
+            self.custom_optimizer_step(*args, **kwargs)
+            return
+        self.optimizer.step()
+
     def trainable_parameters(self) -> list[Tensor]:
         """The tensors this problem's optimizer steps (this rank's shards under zero3)."""
         return self.trainable()

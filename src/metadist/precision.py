@@ -79,7 +79,8 @@ def _autocast_works(device_type: str, dtype: torch.dtype) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.autocast(device_type, dtype=dtype):
-                x = torch.ones(2, 2, device=device_type)
+                # float32 whatever the default dtype: autocast leaves float64 as it is
+                x = torch.ones(2, 2, device=device_type, dtype=torch.float32)
                 return (x @ x).dtype == dtype
     except (RuntimeError, ValueError):
         return False

@@ -96,7 +96,12 @@ def logger(logger_type: str = "none") -> LoggerBase:
         case "none":
             return LoggerBase()
         case "tensorboard":
-            tensorboard_writer_class()  # raises, saying to install tensorboard
+            try:
+                tensorboard_writer_class()
+            except ImportError:  # Betty's choices, not metadist's native loggers
+                raise ImportError("logger_type='tensorboard' needs the tensorboard package, "
+                                  "which is not importable here: pip install tensorboard (or "
+                                  "choose logger_type='wandb' or 'none')") from None
             return TensorBoardLoggerBase()
         case "wandb":
             try:

@@ -22,7 +22,11 @@ from betty_programs.ported import api, engine_config, snapshot
 
 
 def run(impl: str, strategy: str = "default", override: bool = True,
-        train_iters: int = 40) -> dict[str, Any]:
+        train_iters: int = 40, valid_step: int = 0,
+        validation: Any = None) -> dict[str, Any]:
+    """The final parameters, the parent's descents and the step counts; ``validation``:
+    what the engine's ``validation()`` returns (called with the engine) every
+    ``valid_step`` iterations."""
     b = api(impl)
     descents: list[float] = []
     torch.manual_seed(0)
@@ -71,15 +75,23 @@ def run(impl: str, strategy: str = "default", override: bool = True,
             descents.append(float(stats["loss"]))
             return stats
 
+    fields = {"valid_step": valid_step} if valid_step else {}
     config = engine_config(b, impl, strategy, batchnorm=False, train_iters=train_iters,
-                           logger_type="none")
+                           logger_type="none", **fields)
     parent = (CountingParent if override else Parent)(
         name="outer", config=b.Config(first_order=True, retain_graph=True))
     child = (DampedChild if override else Child)(
         name="inner", config=b.Config(type="cg", cg_iterations=3, cg_alpha=1, unroll_steps=5))
     problems = [parent, child]
-    engine = b.Engine(config=config, problems=problems,
-                      dependencies={"l2u": {child: [parent]}, "u2l": {parent: [child]}})
+    engine_class = b.Engine
+    if validation is not None:
+        class Validating(b.Engine):  # type: ignore[misc,name-defined]
+            def validation(self) -> Any:
+                return validation(self)
+
+        engine_class = Validating
+    engine = engine_class(config=config, problems=problems,
+                          dependencies={"l2u": {child: [parent]}, "u2l": {parent: [child]}})
     engine.run()
     return {"final": snapshot(problems), "descents": descents,
             "counts": {p.name: p.count for p in problems}}

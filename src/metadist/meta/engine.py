@@ -86,7 +86,7 @@ class Engine:
         self.global_step = 0
         self.validating = False
         self.stopped_early = False
-        self.last_validation: dict[str, float] = {}
+        self.last_validation: dict[str, Any] = {}
         self._best: float | None = None
         self._bad = 0
         self.logger = make_logger(cfg.logger_type, cfg.log_dir, self.world.rank)
@@ -347,7 +347,7 @@ class Engine:
                     if p._replica is not None:
                         p._replica.load_state_dict(state)
                         p._replica.eval()
-                metrics = {k: float(v) for k, v in (self.validation() or {}).items()}
+                metrics = self._validation_metrics(self.validation() or {})
             except Exception:  # every rank must learn of it, not wait forever
                 error = traceback.format_exc()
             finally:
@@ -368,13 +368,20 @@ class Engine:
                 self.logger.log({"iteration": float(self.global_step)}, "early_stopping",
                                 self.global_step)
 
-    def _no_improvement(self, metrics: Mapping[str, float]) -> bool:
+    def _validation_metrics(self, returned: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``validation()`` returned, as the metrics kept and logged: numbers."""
+        return {k: float(v) for k, v in returned.items()}
+
+    def _no_improvement(self, metrics: Mapping[str, Any]) -> bool:
         rule = self.config.early_stopping
         assert rule is not None
         if rule.metric not in metrics:
             raise KeyError(f"early stopping watches {rule.metric!r}, but validation() returned "
                            f"{sorted(metrics)}; return it or set EarlyStopping(metric=...)")
         value = metrics[rule.metric]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"early stopping watches {rule.metric!r}, which validation() "
+                            f"returned as {type(value).__name__} ({value!r}); return a number")
         best = self._best
         better = best is None or (value < best - rule.min_delta if rule.mode == "min"
                                   else value > best + rule.min_delta)

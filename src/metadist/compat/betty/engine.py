@@ -25,10 +25,11 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from metadist.compat.betty.configs import EngineConfig
 from metadist.compat.betty.hypergradient import upper_gradient
+from metadist.compat.betty.logging import get_logger
 from metadist.compat.betty.logging import logger as make_logger
 from metadist.compat.betty.problems import IterativeProblem, Problem
 from metadist.meta.bilevel import record_last_grads
@@ -46,6 +47,21 @@ _NOT_CALLED = {
     "step_normal": "the unrolling and the uppers' steps",
     "step_after_roll_back": "the steps after a roll_back",
 }
+
+
+def _log_line(stats: Mapping[str, Any]) -> str:
+    """Betty's rendering of a stats dict: ``key: value`` joined by `` || ``, a list's (or
+    dict's) entries as ``key_i``."""
+    def plain(v: Any) -> Any:
+        return v.item() if isinstance(v, Tensor) else v
+
+    out: list[str] = []
+    for key, value in stats.items():
+        if isinstance(value, dict | list):
+            out.extend(f"{key}_{i}: {plain(v)}" for i, v in enumerate(value))
+        else:
+            out.append(f"{key}: {plain(value)}")
+    return " || ".join(out)
 
 
 def _native(config: EngineConfig) -> NativeConfig:
@@ -198,6 +214,18 @@ class Engine(NativeEngine):
 
     def do_validation(self) -> bool:
         return self.is_implemented("validation") and self.is_rank_zero()
+
+    def _validation_metrics(self, returned: Mapping[str, Any]) -> dict[str, Any]:
+        """Betty's validation results as they are (numbers, lists, strings; a 0-dim tensor
+        as its number), for its log line and logger."""
+        return {k: v.item() if isinstance(v, Tensor) and v.dim() == 0 else v
+                for k, v in returned.items()}
+
+    def validate(self) -> None:
+        super().validate()
+        if self.is_rank_zero():
+            get_logger().info(f"[Validation] [Global Step {self.global_step}] "
+                              f"{_log_line(self.last_validation)}")
 
     def cleanup(self) -> None:
         """Nothing to tear down: the process group belongs to the launcher."""

@@ -4,6 +4,10 @@ itself in one process.
 * Validation: Betty prints ``[Validation] [Global Step N] key: value || ...`` and takes
   whatever ``validation()`` returns (numbers, tensors, lists, strings); the drop-in printed
   nothing and stopped at ``float()`` of a list ("float() argument must be ...").
+* ``Problem._global_step`` (the pruning example reads it), ``Problem.clear_dependencies``,
+  ``Env.accelerator``: missing (AttributeError) before.
+* ``HigherIterativeProblem``: missing; Betty 0.2.1 itself fails on it under torch 2.13, so
+  constructing one says what to use instead.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import pytest
 import torch
 
 import peers
@@ -56,3 +61,41 @@ def test_validation_line_and_results_are_bettys() -> None:
             f"per_class_1: 0.75 || note: fine || step: {n}" for n in (5, 10)]
     assert out["betty"] == want, out["betty"]
     assert out["compat"] == want, out["compat"]
+
+
+def _surface() -> dict[str, Any]:
+    peers.use()
+    peers.quiet_betty()
+    import importlib
+
+    from betty_programs.overrides import run
+
+    out: dict[str, Any] = {}
+    for impl, root in (("betty", "betty"), ("compat", "metadist.compat.betty")):
+        result = run(impl, override=False, train_iters=10)
+        env = importlib.import_module(f"{root}.envs").Env
+        out[impl] = {"global_steps": result["global_steps"],
+                     "dependencies": result["dependencies"],
+                     "accelerator": env.accelerator}
+    return out
+
+
+def test_global_step_clear_dependencies_and_accelerator_are_bettys() -> None:
+    out = peers.run_on(1, _surface)[0]
+    assert out["compat"] == out["betty"], out
+    assert out["betty"]["global_steps"] == {"outer": 0, "inner": 10}
+    assert out["betty"]["dependencies"][1] == [(0, 0, 0), (0, 0, 0)]
+
+
+def test_higher_iterative_problem_says_what_to_use() -> None:
+    from metadist.compat.betty.configs import Config
+    from metadist.compat.betty.problems import HigherIterativeProblem
+
+    class Inner(HigherIterativeProblem):  # as Betty's users write it
+        def training_step(self, batch: Any) -> torch.Tensor:
+            return torch.zeros(())
+
+    with pytest.raises(NotImplementedError) as info:
+        Inner(name="inner", config=Config())
+    message = str(info.value)
+    assert "torch 2.13" in message and "ProblemConfig(method='unrolled')" in message, message

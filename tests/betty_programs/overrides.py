@@ -93,5 +93,11 @@ def run(impl: str, strategy: str = "default", override: bool = True,
     engine = engine_class(config=config, problems=problems,
                           dependencies={"l2u": {child: [parent]}, "u2l": {parent: [child]}})
     engine.run()
+    global_steps = {p.name: p._global_step for p in problems}  # what Betty's examples read
+    before = [(len(p.parents), len(p.children), len(p.paths)) for p in problems]
+    for p in problems:
+        p.clear_dependencies()
+    after = [(len(p.parents), len(p.children), len(p.paths)) for p in problems]
     return {"final": snapshot(problems), "descents": descents,
-            "counts": {p.name: p.count for p in problems}}
+            "counts": {p.name: p.count for p in problems}, "global_steps": global_steps,
+            "dependencies": (before, after)}

@@ -17,6 +17,7 @@ class Env:
     env: Any = None
     train_data_loader: Any = None
     device: Any = None
+    accelerator: Any = None  # Betty's, set only under its "accelerate" strategy
     _strategy: str | None = None
     _world_size: int | None = None
     _rank: int | None = None

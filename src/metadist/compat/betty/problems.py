@@ -103,6 +103,7 @@ class Problem(NativeProblem):
         self._leaf = False
         self.cur_batch: Any = None
         self._count = 0
+        self._global_step: int | None = 0  # the engine's iteration at its last step() call
         self.ready: list[bool] = []
         self._inner_loop_start = True
         self._roll_back = False
@@ -224,6 +225,10 @@ class Problem(NativeProblem):
     def add_paths(self, paths: Iterable[list[Problem]]) -> None:
         self._paths.extend(paths)
 
+    def clear_dependencies(self) -> None:
+        """Forget this problem's uppers, lowers and paths (Betty's)."""
+        self._children, self._parents, self._paths = [], [], []
+
     def add_logger(self, logger: Any) -> None:
         if self.logger is None:
             self.logger = logger
@@ -256,6 +261,7 @@ class Problem(NativeProblem):
         engine = self._engine
         if engine is None:
             raise RuntimeError(f"problem {self._betty_name!r} is not part of an engine yet")
+        self._global_step = global_step
         engine._betty_step(self, global_step)
 
     # ----- Betty's steps a subclass may override (the engine calls these) ---------------------
@@ -400,6 +406,19 @@ class Problem(NativeProblem):
 
 class ImplicitProblem(Problem):
     """Betty's problem whose module and optimizer are plain torch objects."""
+
+
+class HigherIterativeProblem(Problem):
+    """Betty's problem built on the ``higher`` library; Betty 0.2.1 itself fails on it with
+    torch 2.13, so here its construction says what to use instead."""
+
+    def __init__(self, name: str, config: Config | None = None, *args: Any,
+                 **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"HigherIterativeProblem {name!r}: Betty 0.2.1's higher-based problem does not run "
+            "with torch 2.13 (in Betty itself either). Use ImplicitProblem (or "
+            "IterativeProblem) for the problem; for hypergradients through its unrolled "
+            "steps use metadist.meta with ProblemConfig(method='unrolled')")
 
 
 class IterativeProblem(Problem):

@@ -231,8 +231,11 @@ def test_port_equals_betty(one_process: Callable[[str], dict[str, dict[str, Any]
 
 # ----- (b) compat on 2 ranks vs compat in one process ----------------------------------------
 
-@pytest.mark.parametrize("strategy", ["distributed", "zero"])
-@pytest.mark.parametrize("port", PORTS)
+# nas under "fsdp": its roll_back caches and restores sharded state (before: refused in the
+# drop-in's own cache_states, a deep copy of the shards)
+@pytest.mark.parametrize(("port", "strategy"),
+                         [(p, s) for p in PORTS for s in ("distributed", "zero")]
+                         + [("nas", "fsdp")])
 def test_port_on_two_ranks_equals_one_process(
         one_process: Callable[[str], dict[str, dict[str, Any]]], two_ranks: peers.Reopening,
         port: str, strategy: str) -> None:

@@ -19,10 +19,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from metadist.checkpoint.capture import module_placement
 from metadist.compat.betty.configs import Config
 from metadist.meta.config import ProblemConfig
 from metadist.meta.problem import Problem as NativeProblem
 from metadist.strategies.base import Strategy
+from metadist.strategies.placement import held
 from metadist.strategies.tensors.elsewhere import held_grad
 
 if TYPE_CHECKING:
@@ -383,14 +385,19 @@ class Problem(NativeProblem):
             self.strategy.scaler.load_state_dict(state_dict["scaler"])
 
     def cache_states(self) -> None:
-        """roll_back: keep the module's and optimizer's state at the unroll window's start."""
-        self._cache = (copy.deepcopy(self.wrapped.state_dict()),
-                       copy.deepcopy(self.optimizer.state_dict()))
+        """roll_back: keep the module's and optimizer's state at the unroll window's start,
+        as this rank holds it (zero3/hsdp: its shards; no collective): copies of the
+        tensors the strategy's layout description names, and of the optimizer's state."""
+        where = module_placement(self.wrapped)
+        tensors = {p.name: [held(q).clone() for q in p.parts] for p in where.tensors}
+        values = {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v)
+                  for k, v in where.values.items()}
+        self._cache = ((tensors, values), _cloned(self.optimizer.state_dict()))
 
     def recover_states(self) -> None:
         assert self._cache is not None
-        module_state, optimizer_state = self._cache
-        self.wrapped.load_state_dict(module_state)
+        (tensors, values), optimizer_state = self._cache
+        module_placement(self.wrapped).load(tensors, values)
         self.optimizer.load_state_dict(optimizer_state)
         self._cache = None
 
@@ -406,6 +413,18 @@ class Problem(NativeProblem):
 
 class ImplicitProblem(Problem):
     """Betty's problem whose module and optimizer are plain torch objects."""
+
+
+def _cloned(state: Any) -> Any:
+    """``state`` (an optimizer's state dict) with every tensor cloned: element by element, so
+    also the slices a sharded optimizer holds (a deep copy of those is refused)."""
+    if isinstance(state, Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_cloned(v) for v in state)
+    return copy.deepcopy(state)
 
 
 class HigherIterativeProblem(Problem):

@@ -99,3 +99,32 @@ def test_higher_iterative_problem_says_what_to_use() -> None:
         Inner(name="inner", config=Config())
     message = str(info.value)
     assert "torch 2.13" in message and "ProblemConfig(method='unrolled')" in message, message
+
+
+def _inner_module_output(strategy: str) -> list[float]:
+    """What validation computes through Betty's distributed idiom, ``problem.module.module``
+    (``problem.module`` under Betty's "default")."""
+    peers.use()
+    from betty_programs.overrides import run
+
+    x = torch.linspace(-1, 1, 40, dtype=torch.float64).view(2, 20)
+
+    def validation(engine: Any) -> dict[str, Any]:
+        module = engine.inner.module
+        inner = module if strategy == "default" else module.module
+        return {"out": [float(v) for v in inner(x)[0]]}
+
+    seen: list[float] = []
+    run("compat", strategy, override=False, train_iters=10, valid_step=10,
+        validation=lambda engine: (result := validation(engine), seen.extend(result["out"]))[0])
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["distributed", "zero", "fsdp"])
+def test_bettys_module_module_idiom_in_validation(strategy: str) -> None:
+    """Before: ``AttributeError: 'ChildNet' object has no attribute 'module'`` (validation's
+    problem.module is a plain copy)."""
+    want = peers.run_on(1, _inner_module_output, ("default",))[0]
+    got = peers.run_on(2, _inner_module_output, (strategy,))[0]  # rank 0 validates
+    assert len(want) == 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-9, atol=1e-12)

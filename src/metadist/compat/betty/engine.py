@@ -137,6 +137,13 @@ class Engine(NativeEngine):
         seeded program draws the same initial weights and batches as under Betty."""
         p.initialize()
         super()._set_up(p, replica)
+        copy = p._replica
+        if copy is not None and self.betty_config.strategy != "default" \
+                and not hasattr(copy, "module"):
+            # Betty's distributed idiom reads problem.module.module (DDP's inner module);
+            # in validation problem.module is this copy, so .module is the copy again. Set
+            # past nn.Module's registry: not a submodule (no cycle in modules() or state_dict)
+            copy.__dict__["module"] = copy
 
     # ----- the graph, with Betty's method names --------------------------------------------------
     def _link(self, problems: list[Problem]) -> None:

@@ -85,32 +85,49 @@ def _plain(path: str, save: bool) -> dict[str, torch.Tensor]:
 
 
 # ----- metadist --------------------------------------------------------------------------------
+def _rank_steps(model: nn.Module, opt: torch.optim.Optimizer, backward: Any, rank: int,
+                n: int) -> Any:
+    """Training steps on this rank's slice of each global batch."""
+    per = GLOBAL_BATCH // n
+
+    def steps(which: range) -> None:
+        for step in which:
+            x, y = _batch(step)
+            part = slice(rank * per, (rank + 1) * per)
+            backward(nn.functional.mse_loss(model(x[part]), y[part]))
+            opt.step()
+            opt.zero_grad()
+
+    return steps
+
+
+def _round_trip(path: str, save: bool, steps: Any, state: Any, apply: Any) -> bool:
+    """Saving: the first SAVED steps, then a DCP save of ``state()``. Loading: a DCP load
+    into ``state()``, ``apply``-ed, then the remaining steps. True when it loaded."""
+    if save:
+        steps(range(SAVED))
+    msd, osd = state()
+    if save:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        return False
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    apply(msd, osd)
+    steps(range(SAVED, STEPS))
+    return True
+
+
 def _metadist(strategy: str, path: str, save: bool, built: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0 if save else 7)
     s = metadist.strategy(strategy, **SHARDING.get(strategy, {}))
     model = s.setup_module(Net())
     opt = (s.setup_optimizer(model, _adamw(model.parameters())) if built == "setup"
            else _adamw(model.parameters()))  # after setup, over the sharded parameters
-    w = metadist.world()
-    per = GLOBAL_BATCH // w.world_size
-
-    def steps(which: range) -> None:
-        for step in which:
-            x, y = _batch(step)
-            part = slice(w.rank * per, (w.rank + 1) * per)
-            s.backward(nn.functional.mse_loss(model(x[part]), y[part]))
-            opt.step()
-            opt.zero_grad()
-
-    if save:
-        steps(range(SAVED))
-    msd, osd = metadist_dcp.get_state_dict(model, opt)
-    if save:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    steps = _rank_steps(model, opt, s.backward, metadist.world().rank,
+                        metadist.world().world_size)
+    if not _round_trip(path, save, steps, lambda: metadist_dcp.get_state_dict(model, opt),
+                       lambda m, o: metadist_dcp.set_state_dict(
+                           model, opt, model_state_dict=m, optim_state_dict=o)):
         return {}
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-    metadist_dcp.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    steps(range(SAVED, STEPS))
     return model.state_dict()
 
 
@@ -124,26 +141,12 @@ def _fsdp2(path: str, save: bool) -> dict[str, torch.Tensor]:
     for layer in (model.a, model.b, model):
         fully_shard(layer)
     opt = _adamw(model.parameters())
-    rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    per = GLOBAL_BATCH // n
-
-    def steps(which: range) -> None:
-        for step in which:
-            x, y = _batch(step)
-            part = slice(rank * per, (rank + 1) * per)
-            nn.functional.mse_loss(model(x[part]), y[part]).backward()
-            opt.step()
-            opt.zero_grad()
-
-    if save:
-        steps(range(SAVED))
-    msd, osd = torch_state.get_state_dict(model, opt)
-    if save:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    steps = _rank_steps(model, opt, lambda loss: loss.backward(),
+                        torch.distributed.get_rank(), torch.distributed.get_world_size())
+    if not _round_trip(path, save, steps, lambda: torch_state.get_state_dict(model, opt),
+                       lambda m, o: torch_state.set_state_dict(
+                           model, opt, model_state_dict=m, optim_state_dict=o)):
         return {}
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-    torch_state.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-    steps(range(SAVED, STEPS))
     full = torch_state.get_model_state_dict(
         model, options=torch_state.StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in full.items()}

@@ -13,14 +13,13 @@ import torch
 from torch import Tensor, nn
 
 import metadist
+from metadist.strategies.optimizer_state import cut_state, gather_state
 from metadist.strategies.placement import (
     ModulePlacement,
     OptimizerPlacement,
     Part,
     Placement,
-    cut_state,
     flat_part,
-    gather_state,
     held,
     numbered_groups,
     optimizer_placement,

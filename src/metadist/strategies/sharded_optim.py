@@ -22,11 +22,10 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from metadist.strategies.optimizer_state import cut_state, gather_state
 from metadist.strategies.own_state import OWN, Own
 from metadist.strategies.placement import (
     OptimizerPlacement,
-    cut_state,
-    gather_state,
     numbered_groups,
     replicated_optimizer,
 )

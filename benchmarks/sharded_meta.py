@@ -29,7 +29,6 @@ model.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import resource
 import statistics
@@ -180,8 +179,9 @@ def _time_body(path: str, width: int, depth: int, batch: int, steps: int, warmup
     the same processes: each leaves the C allocator's heap in a state that moves the other's
     page faults, measured at 10-20% of either's time in opposite directions, which made the
     ratio look better than either path alone.)"""
-    s, model, opt, x, y = _set_up("zero3", width, depth, batch, prefetch=path != "serial")
-    path = "sharded" if path == "serial" else path
+    strategy = "ddp" if path == "ddp" else "zero3"
+    s, model, opt, x, y = _set_up(strategy, width, depth, batch, prefetch=path != "serial")
+    path = {"serial": "sharded", "ddp": "gathered"}.get(path, path)
     for _ in range(warmup):
         _step(s, model, opt, x, y, path)
     times = sorted(timed(lambda: _step(s, model, opt, x, y, path)) for _ in range(steps))
@@ -300,30 +300,34 @@ def _memory_tables(out: Results, args: argparse.Namespace) -> None:
     out.data["largest"] = _largest(out, mem, params, args.budget_gib)
 
 
+def ratios_names(paths: list[str], bases: list[str]) -> list[str]:
+    return [f"{p} / {b}" for b in bases for p in paths if p not in bases]
+
+
 def _time_tables(out: Results, args: argparse.Namespace) -> None:
     """The N = 2 meta-step times of both paths, and the collectives of a sharded one."""
     rows: list[tuple[Any, ...]] = []
     timing = []
+    paths = args.paths.split(",")
+    bases = [b for b in ("ddp", "gathered") if b in paths]
     for batch in (int(b) for b in args.time_batches.split(",")):
         launches, ops = _times(args, batch)
         t = {path: statistics.median(ts) for path, ts in launches.items()}
-        t.setdefault("serial", math.nan)
         spread = "; ".join(f"{path} {min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f}"
                            for path, ts in launches.items())
-        rows.append((batch, t["sharded"] * 1e3, t["serial"] * 1e3, t["gathered"] * 1e3,
-                     f"{t['sharded'] / t['gathered']:.2f}",
-                     f"{t['serial'] / t['gathered']:.2f}", spread))
-        timing.append({"batch": batch, "sharded_ms": t["sharded"] * 1e3,
-                       "serial_ms": t["serial"] * 1e3, "gathered_ms": t["gathered"] * 1e3,
-                       "ratio": t["sharded"] / t["gathered"],
-                       "serial_ratio": t["serial"] / t["gathered"],
+        ratios = {f"{p}/{b}": t[p] / t[b] for b in bases for p in paths if p not in bases}
+        rows.append((batch, *(f"{t[p] * 1e3:.0f}" for p in paths),
+                     *(f"{r:.2f}" for r in ratios.values()), spread))
+        timing.append({"batch": batch, **{f"{p}_ms": t[p] * 1e3 for p in paths},
+                       "ratios": ratios,
                        "launch_ms": {p: [x * 1e3 for x in ts] for p, ts in launches.items()}})
-    out.heading(f"meta-step time at N = 2, zero3 (each path in its own processes: "
-                f"medians of {args.steps} steps, then of {args.rounds} launches taking "
-                f"turns; serial: sharded with prefetch=False, every gather waited where "
-                f"it is needed)")
-    out.table(["global batch", "sharded ms", "serial ms", "gathered ms",
-               "time ratio sharded / gathered", "serial / gathered",
+    out.heading(f"meta-step time at N = 2 (each path in its own processes: medians of "
+                f"{args.steps} steps, then of {args.rounds} launches taking turns; ddp: "
+                f"the gathered lines under ddp; gathered: the same lines under zero3; "
+                f"serial: sharded with prefetch=False, every gather waited where it is "
+                f"needed)")
+    out.table(["global batch", *(f"{p} ms" for p in paths),
+               *(f"time ratio {b}" for b in ratios_names(paths, bases)),
                "launch medians ms (min-max)"], rows, key="time")
     out.data["time"] = timing
     expected = {path: _expected_calls(args.depth, args.depth - 1,
@@ -360,7 +364,7 @@ def main() -> None:
                     help="per-rank memory for the largest-model table")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="launches per path for the times")
-    ap.add_argument("--paths", default="sharded,serial,gathered",
+    ap.add_argument("--paths", default="sharded,serial,gathered,ddp",
                     help="the time comparison's paths: sharded and gathered, and serial "
                          "(sharded with prefetch=False)")
     ap.add_argument("--allocator", choices=("fixed", "default"), default="fixed",

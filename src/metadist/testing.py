@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from metadist.comm import ops
 from metadist.runtime.spawn import RankPool
 from metadist.strategies.tensors.elsewhere import ElsewhereGrad
+from metadist.strategies.zero3.gather_buffers import let_go
 
 _pools: dict[tuple[int, int, str | None, int], RankPool] = {}
 
@@ -106,6 +107,18 @@ class _StorageTracker(TorchDispatchMode):
                 self.live[storage._cdata] = weakref.ref(storage)
         self.peak = max(self.peak, self._now())
         return out
+
+    def __enter__(self) -> _StorageTracker:
+        # The gather buffers are a cache of whole buffers (strategies/zero3/gather_buffers.py):
+        # emptied on entry, what a computation reuses from it is allocated, and counted,
+        # inside; emptied on exit, its idle buffers are not memory left alive.
+        let_go()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        let_go()
 
     def _now(self) -> int:
         # Freed storages are gone at once (reference counting): no collection needed here.

@@ -36,6 +36,7 @@ from torch import Tensor
 from metadist.comm import ops
 from metadist.comm.handle import Handle
 from metadist.strategies.tensors.shard_piece import plain
+from metadist.strategies.zero3.gather_buffers import BUFFERS
 
 if TYPE_CHECKING:
     from metadist.strategies.zero3.flat import FlatParam
@@ -91,8 +92,7 @@ class Ahead:
             return
         assert flat is not None
         COUNTS.count(ahead=ahead)
-        out = self.buffer = torch.empty(flat.padded, dtype=flat.compute_dtype,
-                                        device=flat.device)
+        out = self.buffer = BUFFERS.take(flat.padded, flat.compute_dtype, flat.device)
         mine = out.narrow(0, flat.rank * flat.shard_size, flat.shard_size)  # written in
         n = source.numel()                                                 # place: no copy
         with torch.no_grad():                                              # to send

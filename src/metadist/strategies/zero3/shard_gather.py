@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from metadist.comm import functional, ops
 from metadist.strategies.zero3.fast_ahead import BACKWARD, Ahead, gather_now
 from metadist.strategies.zero3.flat import FlatParam
+from metadist.strategies.zero3.gather_buffers import BUFFERS, zeros
 
 _DIVERTED = "metadist_diverted"  # node metadata: the edges whose gradient a hook diverts
 _SEARCH_DEPTH = 8  # nodes a backward formula builds between its outputs and a saved input
@@ -44,10 +45,35 @@ def scatter_parts(parts: list[Tensor], flat: FlatParam) -> Tensor:
     gradients and the padding) summed over the shard group, this rank's shard of it, read
     where the parts lie; differentiably where a graph is being recorded."""
     if torch.is_grad_enabled():
-        return functional.reduce_scatter_parts(parts, group=flat.group)
+        out: Tensor = _ScatterParts.apply(flat, *parts)
+        return out
     out = parts[0].new_empty(flat.shard_size)
     ops.reduce_scatter_parts(out, parts, "sum", group=flat.group)
     return out
+
+
+class _ScatterParts(torch.autograd.Function):
+    """:func:`scatter_parts` recorded: a second-order gradient of a gather's backward. Its
+    own backward (the outer backward of a meta-step) all-gathers the shard's gradient into
+    a reused whole buffer (strategies/zero3/gather_buffers.py) and hands each part its
+    slice; recorded further (a third order) through the differentiable all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: FlatParam, *parts: Tensor) -> Tensor:
+        ctx.flat, ctx.sizes = flat, [p.numel() for p in parts]
+        out = parts[0].new_empty(flat.shard_size)
+        ops.reduce_scatter_parts(out, [p.reshape(-1) for p in parts], "sum", group=flat.group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        flat: FlatParam = ctx.flat
+        if torch.is_grad_enabled():
+            full = functional.all_gather(g, group=flat.group)
+        else:
+            full = BUFFERS.take(flat.padded, g.dtype, g.device)
+            ops.all_gather(full, g.contiguous(), group=flat.group)
+        return (None, *full.split(ctx.sizes))
 
 
 def sum_over(g: Tensor, flat: FlatParam, scatter: bool, scratch: bool = False) -> Tensor:
@@ -66,6 +92,18 @@ def sum_over(g: Tensor, flat: FlatParam, scatter: bool, scratch: bool = False) -
     return out
 
 
+def _dense(t: Tensor) -> bool:
+    """``t``'s elements fill a block of its storage once each (a contiguous tensor with its
+    dimensions permuted)."""
+    expected = 1
+    dims = [(n, st) for n, st in zip(t.shape, t.stride(), strict=True) if n != 1]
+    for n, st in sorted(dims, key=lambda d: d[1]):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
 def real_size(flat: FlatParam) -> int:
     """Elements of this rank's shard that are parameters, not the flat's padding: the length
     of its fast weights' piece (padding never meets the user's arithmetic, where a
@@ -78,7 +116,7 @@ class Gathered:
     diverted to it (this rank's shard of it) until its backward takes it."""
 
     __slots__ = ("__weakref__", "ahead", "aside", "flat", "node", "noting", "packed", "piece",
-                 "prefetch", "sides", "used", "version")
+                 "prefetch", "sides", "used")
 
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
@@ -95,7 +133,6 @@ class Gathered:
         self.node = None if node is None else weakref.ref(node)
         # its backward notes what each backward reached (FlatParam.task_reached)
         self.noting = views[0].requires_grad
-        self.version = views[0]._version  # a later in-place change makes saved views unsafe
         self.aside: Tensor | None = None
         # The sequence numbers of the nodes the forward built while the unit ran: those
         # consume the buffer as the forward does, and their gradient is not diverted (it
@@ -144,16 +181,25 @@ class Gathered:
     def divert(self, grad: Tensor, view: _Packed) -> None:
         """Scatter the gradient of a saved view of this buffer into this rank's shard."""
         flat = self.flat
-        full = torch.empty(flat.padded, dtype=flat.reduce_dtype, device=flat.device)
+        dtype, device = flat.reduce_dtype, flat.device
         lo, hi = view.span()
-        if hi - lo == grad.numel():  # the view covers its span: write it, zero the rest
-            full[:lo].zero_()
-            full[hi:].zero_()
-            full.as_strided(view.size, view.stride, view.offset).copy_(grad)
+        if hi - lo == grad.numel() and grad.dtype == dtype and grad.device == device \
+                and grad.stride() == tuple(view.stride) and _dense(grad):
+            # laid out in memory as the view lies in the buffer: read where it lies
+            span = grad.as_strided((hi - lo,), (1,), grad.storage_offset())
         else:
-            full.zero_()
-            full.as_strided(view.size, view.stride, view.offset).add_(grad)
-        out = sum_over(full, flat, scatter=True, scratch=True)
+            span = BUFFERS.take(hi - lo, dtype, device)
+            into = span.as_strided(view.size, view.stride, view.offset - lo)
+            if hi - lo == grad.numel():  # the view covers its span
+                into.copy_(grad)
+            else:
+                span.zero_()
+                into.add_(grad)
+        # the same parts on every rank (the view's span between zeros), whatever the layout
+        # of this rank's gradient: a reduce-scatter of parts sends them as they are cut
+        parts = [zeros(lo, dtype, device), span, zeros(flat.padded - hi, dtype, device)]
+        out = scatter_parts([p for p in parts if p.numel()], flat)
+        del span
         self.aside = out if self.aside is None else self.aside.add_(out)
         if self.noting:  # the gradient reached the view's parameter
             flat.note_reached([s.offset <= lo < s.offset + s.numel for s in flat.slots],
@@ -196,11 +242,14 @@ class _Registry:
     gather's node and the packed views, and an entry goes when either of the two goes."""
 
     def __init__(self) -> None:
-        self._by_storage: dict[int, tuple[StorageWeakRef, weakref.ref[Gathered]]] = {}
+        self._by_storage: dict[int, tuple[StorageWeakRef, weakref.ref[Gathered], int]] = {}
 
     def add(self, full: Tensor, gathered: Gathered) -> None:
         storage = full.untyped_storage()
-        self._by_storage[storage._cdata] = (StorageWeakRef(storage), weakref.ref(gathered))
+        # the buffer's version now: a later in-place change makes its saved views unsafe to
+        # gather again (a reused buffer's count starts wherever its last use left it)
+        self._by_storage[storage._cdata] = (StorageWeakRef(storage), weakref.ref(gathered),
+                                            full._version)
         if len(self._by_storage) > 256:  # drop the entries of freed buffers now and then
             self._by_storage = {k: v for k, v in self._by_storage.items()
                                 if not v[0].expired() and v[1]() is not None}
@@ -218,8 +267,7 @@ class _Registry:
         gathered = None if entry is None or entry[0].expired() else entry[1]()
         if gathered is None:
             return t.detach()
-        base = t._base if t._base is not None else t
-        if base._version != gathered.version:  # changed in place: keep it as it is
+        if t._version != entry[2]:  # changed in place: keep it as it is
             return t.detach()
         gathered.packed = True
         return _Packed(gathered, t)

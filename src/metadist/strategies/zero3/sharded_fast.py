@@ -39,6 +39,7 @@ from metadist.strategies.fast_weights import check_even_weights, require_all
 from metadist.strategies.tensors.shard_piece import plain
 from metadist.strategies.zero3.fast_ahead import LAST_UNIT, Ahead, gather_now
 from metadist.strategies.zero3.flat import FlatParam, split_views
+from metadist.strategies.zero3.gather_buffers import zeros
 from metadist.strategies.zero3.shard_gather import (
     Gathered,
     real_size,
@@ -77,10 +78,12 @@ class _FastGather(torch.autograd.Function):
         out = ctx.gathered[0].take_aside()  # only plain backwards divert
         like = next((g for g in grads if g is not None), None)
         if like is not None:
-            parts = [(g if g is not None else like.new_zeros(s.shape)).reshape(-1)
-                     .to(flat.reduce_dtype) for g, s in zip(grads, flat.slots, strict=True)]
+            dtype = flat.reduce_dtype
+            parts = [g.reshape(-1).to(dtype) if g is not None else
+                     zeros(s.numel, dtype, like.device)
+                     for g, s in zip(grads, flat.slots, strict=True)]
             if flat.padded > flat.numel:
-                parts.append(parts[0].new_zeros(flat.padded - flat.numel))
+                parts.append(zeros(flat.padded - flat.numel, dtype, like.device))
             summed = scatter_parts(parts, flat)
             out = summed if out is None else (
                 summed + out if torch.is_grad_enabled() else summed.add_(out))

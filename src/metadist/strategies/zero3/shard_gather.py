@@ -264,10 +264,10 @@ class _Registry:
         if t.device.type == "meta" or t.is_sparse:
             return t.detach()
         entry = self._by_storage.get(t.untyped_storage()._cdata)
-        gathered = None if entry is None or entry[0].expired() else entry[1]()
+        if entry is None or entry[0].expired() or t._version != entry[2]:
+            return t.detach()  # not a gathered view, or changed in place since: as it is
+        gathered = entry[1]()
         if gathered is None:
-            return t.detach()
-        if t._version != entry[2]:  # changed in place: keep it as it is
             return t.detach()
         gathered.packed = True
         return _Packed(gathered, t)

@@ -1,7 +1,7 @@
 """Second-order meta-learning beyond one rank's memory: per-rank peak of a meta-step.
 
     python -m benchmarks.sharded_meta [--width 2048] [--depth 6] [--batch 32] [--steps 5]
-                                      [--warmup 2] [--allocator fixed|default]
+                                      [--warmup 2] [--allocator metadist|default]
                                       [--json PATH] [--quick]
 
 The workload: an MLP of ``depth`` Linear(width, width) + tanh layers (width 2048, depth 6:
@@ -15,9 +15,9 @@ step. Three ways, each at N = 1, 2 and 4 ranks (gloo, 1 thread per rank):
 
 Memory is the growth of each rank's peak during one meta-step, two ways: bytes of live
 storages (allocations seen by a dispatch mode; stable under load) and resident memory (the
-kernel's high-water mark, reset before the step, with glibc's mmap threshold fixed so that
-it follows the tensors: see :func:`_resident_follows_tensors`; ``--allocator default``
-keeps glibc's defaults, as a user's program meets them). The bound is issue 28's:
+kernel's high-water mark, reset before the step, under metadist's allocator setting, which
+makes it follow the tensors (runtime/resident.py); ``--allocator default`` keeps glibc's and
+torch's defaults). The bound is issue 28's:
 1.2 x (ddp's growth at N = 1) / N + twice the largest unit's full size. Time: medians of
 ``--steps`` meta-steps of each path in two processes of its own, then over ``--rounds``
 launches taking turns (see :func:`_time_body` for why not alternating steps).
@@ -42,6 +42,7 @@ from torch import Tensor, nn
 import metadist
 from benchmarks.common import Results, output_args, parse, rotation, timed
 from metadist.comm import stats
+from metadist.runtime import resident
 from metadist.testing import bytes_kept_by, peak_bytes_of
 
 K, LR = 3, 0.1
@@ -95,33 +96,32 @@ def _step(s: Any, model: Any, opt: Any, x: Tensor, y: Tensor, path: str) -> None
 
 @contextmanager
 def _allocator(setting: str) -> Iterator[None]:
-    """``"fixed"``: :func:`_resident_follows_tensors`; ``"default"``: glibc as a user's
-    program meets it (what resident memory a user sees)."""
-    if setting == "default":
+    """``"metadist"``: the ranks as metadist sets them up (runtime/resident.py: resident
+    memory follows the tensors); ``"default"``: glibc's and torch's own behaviour
+    (``METADIST_ALLOCATOR=default``), as a program that turns metadist's setting off meets
+    them."""
+    if setting != "default":
         yield
         return
-    with _resident_follows_tensors():
-        yield
-
-
-@contextmanager
-def _resident_follows_tensors() -> Iterator[None]:
-    """The memory runs' ranks with glibc's mmap threshold fixed at 1 MiB: every larger
-    buffer is mapped on allocation and returned on free, so resident memory follows the live
-    tensors. (By default the threshold rises after the first free, up to 32 MiB: a unit's
-    16 MiB buffers then come from the heap, whose freed pages stay resident, and the peak
-    measures the allocator's fragmentation, not the program.) The time runs keep the
-    default: mapping every buffer afresh costs page faults."""
-    key = "MALLOC_MMAP_THRESHOLD_"
-    before = os.environ.get(key)
-    os.environ[key] = str(2**20)  # read by each rank's C library when it starts
+    saved = {k: os.environ.get(k) for k in (resident.ENV, "THP_MEM_ALLOC_ENABLE")}
+    os.environ[resident.ENV] = "default"  # read by each rank when it imports metadist
+    if "torch huge pages from 2 MiB" in resident.setting():
+        os.environ.pop("THP_MEM_ALLOC_ENABLE", None)  # this process's, not the user's
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = before
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _setting_words(setting: str) -> str:
+    """The allocator a ``--allocator`` choice runs the ranks under, in words."""
+    if setting == "default":
+        return "glibc and torch defaults (METADIST_ALLOCATOR=default)"
+    return resident.setting()
 
 
 def _status_kib(field: str) -> int:
@@ -274,8 +274,8 @@ def _memory_tables(out: Results, args: argparse.Namespace) -> None:
     one_live = mem[("ddp", "gathered", 1)]["live_max"]
     out.heading(f"per-rank peak growth of one meta-step: MLP {args.depth} x {args.width} "
                 f"({params * 4 / MIB:.0f} MiB float32), {K} inner steps with create_graph, "
-                f"global batch {args.batch}, gloo, 1 thread per rank, glibc allocator "
-                f"{'as by default' if args.allocator == 'default' else 'mmap threshold 1 MiB'}")
+                f"global batch {args.batch}, gloo, 1 thread per rank, allocator: "
+                f"{_setting_words(args.allocator)}")
     rows: list[tuple[Any, ...]] = []
     records = []
     for (strategy, path, n), m in mem.items():
@@ -367,10 +367,10 @@ def main() -> None:
     ap.add_argument("--paths", default="sharded,serial,gathered,ddp",
                     help="the time comparison's paths: sharded and gathered, and serial "
                          "(sharded with prefetch=False)")
-    ap.add_argument("--allocator", choices=("fixed", "default"), default="fixed",
-                    help="the memory runs' glibc allocator: mmap threshold fixed at 1 MiB "
-                         "(resident memory follows the tensors) or as by default (what a "
-                         "user's program meets)")
+    ap.add_argument("--allocator", choices=("metadist", "default"), default="metadist",
+                    help="the ranks' C allocator: as metadist sets it (resident memory "
+                         "follows the tensors, runtime/resident.py) or glibc's and torch's "
+                         "defaults (METADIST_ALLOCATOR=default)")
     ap.add_argument("--parts", default="memory,time",
                     help="which tables: memory (and the largest model), time (and traffic)")
     output_args(ap)

@@ -1,6 +1,7 @@
 """metadist: from one PyTorch process to many with a one-line strategy switch, with
 meta-learning gradients kept exact under data parallelism and sharding."""
 
+
 from metadist import checkpoint, comm, mapreduce, meta
 from metadist.checkpoint import CheckpointError
 from metadist.comm.ops import barrier as _barrier
@@ -16,6 +17,7 @@ from metadist.errors import (
     WorldMismatchError,
 )
 from metadist.precision import LossScaler
+from metadist.runtime import resident as _resident
 from metadist.runtime.ranks import (
     get_logger,
     not_on_rank,
@@ -46,6 +48,8 @@ from metadist.strategies import (
 )
 
 __version__ = "0.1.0"
+
+_resident.apply()  # importing allocates no tensor: still before the first (runtime/resident.py)
 
 
 def barrier() -> None:

@@ -33,8 +33,8 @@ from benchmarks import PEERS, ROOT
 
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
-              "compiled", "sharded_meta", "maml_overhead", "task_batchnorm", "agreement",
-              "dtensor_spike", "gpu_step")
+              "compiled", "sharded_meta", "affordable_meta", "maml_overhead",
+              "task_batchnorm", "agreement", "dtensor_spike", "gpu_step")
 
 
 class SuiteError(Exception):
@@ -80,6 +80,8 @@ def spec(name: str) -> Spec:
         case "deferred_init":  # its own world sizes (2 and 4): the peak against model/world
             return Spec(name, module, world=False)
         case "sharded_meta":  # its own world sizes (1, 2 and 4, hsdp 2 x 2)
+            return Spec(name, module, world=False)
+        case "affordable_meta":  # its own world sizes (1, 2 and 4), two allocator settings
             return Spec(name, module, world=False)
         case "maml_overhead":  # world 1: what the strategies' code adds, no collective
             return Spec(name, module, world=False)

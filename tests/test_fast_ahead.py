@@ -164,3 +164,52 @@ def test_forwards_before_a_backward_keep_one_last_unit_between_them() -> None:
                                                                   serial[rank]["kept"])
         for name, want in serial[rank]["grads"].items():
             assert torch.equal(ahead[rank]["grads"][name], want), (rank, name)
+
+
+class _Block(nn.Module):
+    """A unit of three layers that each save their weight (a transformer block's shape):
+    a backward reads the three saved views one after the other."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x))))))
+
+
+def _block_steps(strategy: str, prefetch: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(16), _Block(16), _Block(16))
+    options = {"wrap_classes": (_Block,), "prefetch": prefetch} if strategy == "zero3" else {}
+    s = metadist.strategy(strategy, **options)
+    model, opt = s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
+    before = fast_ahead.COUNTS.snapshot()
+    for _ in range(10):
+        opt.zero_grad()
+        fast = model.fast_weights()
+        xs, ys = (t.chunk(fast.group_size)[fast.group_rank] for t in (x, y))
+        for _ in range(K):
+            loss = ((model.functional_forward(fast, xs) - ys) ** 2).mean()
+            fast = fast - 0.1 * fast.grad(loss)
+        s.backward(((model.functional_forward(fast, xs) - ys) ** 2).mean())
+        opt.step()
+    after = fast_ahead.COUNTS.snapshot()
+    return {"params": {n: p.detach().clone() for n, p in model.full_parameters().items()},
+            "gathers": (after.started + after.at_use) - (before.started + before.at_use)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_units_several_saved_weights_share_one_gather(n: int) -> None:
+    """A backward reading a block's three saved weights gathers the block once for them
+    (kept until it reads another unit), not three times; 10 meta-steps equal one process."""
+    want = run_on_ranks(_block_steps, 1, args=("single", True))[0]["params"]
+    ahead = run_on_ranks(_block_steps, n, args=("zero3", True), timeout=300)
+    serial = run_on_ranks(_block_steps, n, args=("zero3", False), timeout=300)
+    for rank in range(n):
+        assert_tensors_close(ahead[rank]["params"], want, f"zero3 n={n} rank={rank}")
+        # serial gathers each saved view where it is read: three per block and backward read
+        assert ahead[rank]["gathers"] * 2 < serial[rank]["gathers"], (ahead[rank]["gathers"],
+                                                                     serial[rank]["gathers"])

@@ -14,13 +14,16 @@ So the gather most likely needed next is started while the current unit computes
   in its forward are gathered ahead, in the direction the backward is going: a plain
   backward reads a forward's units last to first, the backward of a recorded backward
   (second order) first to last. :class:`BackwardAhead` follows which way the reads went.
+  A unit whose forward saved several views (a transformer block's layers) is gathered once
+  for them: its buffer is held until the backward reads another unit.
 
 The guesses are the same on every rank: they depend only on the order units run and saved
 views are read, which the program fixes, never on timing. A gather started ahead that is not
 used (the guess was wrong, or the unit's source changed in place since) is waited and
 dropped, so the collectives stay in step on every rank and the value used is always a gather
 of the current source. At most one is in flight for the forward and one for the backward,
-and one forward's last unit is kept: each costs at most one unit's buffer.
+one forward's last unit is kept, and one unit is held for its several saved views: each
+costs at most one unit's buffer.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class Neighbours(Protocol):
 
     ahead: Ahead | None
     prefetch: bool
+    saved_views: int
 
     def neighbour(self, step: int) -> Neighbours | None: ...
 
@@ -148,7 +152,9 @@ class BackwardAhead(threading.local):
         self.last: weakref.ref[Neighbours] | None = None
         self.step = -1  # -1: towards a forward's first unit (a plain backward)
         self.pending: Ahead | None = None
-        self.task = -1  # the graph task whose end drops what is pending
+        # the unit whose several saved views are being read, and its buffer kept for them
+        self.held: tuple[weakref.ref[Neighbours], Ahead] | None = None
+        self.task = -1  # the graph task whose end drops what is pending and held
 
     def read(self, gathered: Neighbours, full: Tensor) -> None:
         """``gathered``'s saved view is being gathered again (into ``full``), inside a
@@ -157,6 +163,12 @@ class BackwardAhead(threading.local):
         if task == -1 or not gathered.prefetch:  # outside a backward (a saved tensor looked
             return                                # at), or the model's prefetch is off
         last = None if self.last is None else self.last()
+        if gathered.saved_views > 1:  # its other saved views are read next: one gather
+            self._hold(task, gathered, full)
+            if last is gathered:  # still within the unit: the walk has not moved
+                return
+        elif self.held is not None:
+            self._let_go_held()
         walked = False  # the read before was this one's neighbour: the reads walk a forward
         for step in (-1, 1):
             if last is not None and gathered.neighbour(-step) is last:
@@ -178,7 +190,30 @@ class BackwardAhead(threading.local):
     def _start(self, task: int, ahead: Ahead | None) -> None:
         self._drop()
         self.pending = ahead
-        if self.pending is not None and task != self.task:
+        if self.pending is not None:
+            self._end_with(task)
+
+    def _hold(self, task: int, gathered: Neighbours, full: Tensor) -> None:
+        """Serve the next reads of ``gathered`` from ``full`` until a read of another unit
+        (one unit's buffer at a time, as FSDP2 keeps a unit gathered for its backward)."""
+        if self.held is not None and self.held[0]() is not gathered:
+            self._let_go_held()
+        ahead = gathered.ahead
+        if ahead is None or ahead.buffer is None:
+            ahead = gathered.keep(full)
+        self.held = (weakref.ref(gathered), ahead)
+        self._end_with(task)
+
+    def _let_go_held(self) -> None:
+        assert self.held is not None
+        gathered, ahead = self.held[0](), self.held[1]
+        self.held = None
+        if gathered is not None and gathered.ahead is ahead:
+            gathered.ahead = None
+        ahead.drop()
+
+    def _end_with(self, task: int) -> None:
+        if task != self.task:
             self.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
@@ -186,6 +221,8 @@ class BackwardAhead(threading.local):
         self.task = -1
         self.last = None
         self._drop()
+        if self.held is not None:
+            self._let_go_held()
 
     def _drop(self) -> None:
         if self.pending is not None:

@@ -115,8 +115,8 @@ class Gathered:
     """One gather of a piece: what its saved views refer to, and the second-order gradient
     diverted to it (this rank's shard of it) until its backward takes it."""
 
-    __slots__ = ("__weakref__", "ahead", "aside", "flat", "node", "noting", "packed", "piece",
-                 "prefetch", "sides", "used")
+    __slots__ = ("__weakref__", "ahead", "aside", "flat", "left", "node", "noting", "packed",
+                 "piece", "prefetch", "saved_views", "sides", "used")
 
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
@@ -125,6 +125,9 @@ class Gathered:
         self.sides: dict[int, weakref.ref[Gathered]] = {}
         self.ahead: Ahead | None = None
         self.packed = False  # autograd saved a view of it: a backward gathers it again
+        # views saved while the unit's members ran: more than one (a block's several layers)
+        # and a backward reads them one after the other, each needing the same gather
+        self.saved_views, self.left = 0, False
         self.prefetch = False  # a backward reading it may gather its neighbour ahead
         # The gather's backward (None without a graph), weakly: its node holds this through
         # its context, and a node held back by what it holds is a cycle the garbage collector
@@ -174,6 +177,7 @@ class Gathered:
     def unit_left(self) -> None:
         """The unit's members have run: the forward's own consumers are all built."""
         self.used = (self.used[0], torch._C._autograd._get_sequence_nr())
+        self.left = True
 
     def built_by_forward(self, node: Any) -> bool:
         return bool(self.used[0] <= node._sequence_nr() < self.used[1])
@@ -270,6 +274,7 @@ class _Registry:
         if gathered is None:
             return t.detach()
         gathered.packed = True
+        gathered.saved_views += not gathered.left
         return _Packed(gathered, t)
 
     @staticmethod

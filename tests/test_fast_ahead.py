@@ -22,6 +22,7 @@ from torch import nn
 
 import fast_meta
 import metadist
+from metadist.comm import stats
 from metadist.strategies.zero3 import fast_ahead
 from metadist.testing import bytes_kept_by, run_on_ranks
 from parity import assert_tensors_close
@@ -188,23 +189,27 @@ def _block_steps(strategy: str, prefetch: bool) -> dict[str, Any]:
     x, y = torch.randn(12, 16, generator=g), torch.randn(12, 16, generator=g)
     before = fast_ahead.COUNTS.snapshot()
     for _ in range(10):
-        opt.zero_grad()
-        fast = model.fast_weights()
-        xs, ys = (t.chunk(fast.group_size)[fast.group_rank] for t in (x, y))
-        for _ in range(K):
-            loss = ((model.functional_forward(fast, xs) - ys) ** 2).mean()
-            fast = fast - 0.1 * fast.grad(loss)
-        s.backward(((model.functional_forward(fast, xs) - ys) ** 2).mean())
-        opt.step()
+        with stats.counting() as counted:  # the last meta-step's are kept
+            opt.zero_grad()
+            fast = model.fast_weights()
+            xs, ys = (t.chunk(fast.group_size)[fast.group_rank] for t in (x, y))
+            for _ in range(K):
+                loss = ((model.functional_forward(fast, xs) - ys) ** 2).mean()
+                fast = fast - 0.1 * fast.grad(loss)
+            s.backward(((model.functional_forward(fast, xs) - ys) ** 2).mean())
+            opt.step()
     after = fast_ahead.COUNTS.snapshot()
+    scatters = counted.ops["reduce_scatter"].calls if "reduce_scatter" in counted.ops else 0
     return {"params": {n: p.detach().clone() for n, p in model.full_parameters().items()},
-            "gathers": (after.started + after.at_use) - (before.started + before.at_use)}
+            "gathers": (after.started + after.at_use) - (before.started + before.at_use),
+            "scatters": scatters}
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_units_several_saved_weights_share_one_gather(n: int) -> None:
     """A backward reading a block's three saved weights gathers the block once for them
-    (kept until it reads another unit), not three times; 10 meta-steps equal one process."""
+    (kept until it reads another unit), not three times, and reduce-scatters their
+    second-order gradients once; 10 meta-steps equal one process."""
     want = run_on_ranks(_block_steps, 1, args=("single", True))[0]["params"]
     ahead = run_on_ranks(_block_steps, n, args=("zero3", True), timeout=300)
     serial = run_on_ranks(_block_steps, n, args=("zero3", False), timeout=300)
@@ -213,3 +218,8 @@ def test_a_units_several_saved_weights_share_one_gather(n: int) -> None:
         # serial gathers each saved view where it is read: three per block and backward read
         assert ahead[rank]["gathers"] * 2 < serial[rank]["gathers"], (ahead[rank]["gathers"],
                                                                      serial[rank]["gathers"])
+        # reduce-scatters: every block's gradient in the K inner backwards and of the K + 1
+        # forwards in the outer one, and the second-order gradients of a block's three saved
+        # weights summed into one for each of the K inner steps
+        blocks = 3
+        assert ahead[rank]["scatters"] == K * blocks + (K + 1) * blocks + K * blocks, ahead[rank]

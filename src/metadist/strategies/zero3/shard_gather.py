@@ -18,10 +18,13 @@ their size, alive far longer, and this module prevents both:
   gather (:meth:`Gathered.divert`) and sends nothing on; the gather's backward adds it to
   its own (strategies/zero3/sharded_fast.py). Only plain backwards divert; a backward that records
   a graph sends the gradient on as usual.
+  A unit that saved several views (a block's layers) has them summed whole while the backward
+  diverts to them one after the other, and scattered once (:class:`_Summing`).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,7 +119,7 @@ class Gathered:
     diverted to it (this rank's shard of it) until its backward takes it."""
 
     __slots__ = ("__weakref__", "ahead", "aside", "flat", "left", "node", "noting", "packed",
-                 "piece", "prefetch", "saved_views", "sides", "used")
+                 "piece", "prefetch", "saved_views", "sides", "summing", "used")
 
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
         self.piece, self.flat = piece, flat
@@ -137,6 +140,7 @@ class Gathered:
         # its backward notes what each backward reached (FlatParam.task_reached)
         self.noting = views[0].requires_grad
         self.aside: Tensor | None = None
+        self.summing: Tensor | None = None  # diverted gradients of several views, whole
         # The sequence numbers of the nodes the forward built while the unit ran: those
         # consume the buffer as the forward does, and their gradient is not diverted (it
         # reaches this gather's backward in its turn, and would only cost a reduce-scatter).
@@ -183,10 +187,22 @@ class Gathered:
         return bool(self.used[0] <= node._sequence_nr() < self.used[1])
 
     def divert(self, grad: Tensor, view: _Packed) -> None:
-        """Scatter the gradient of a saved view of this buffer into this rank's shard."""
+        """Scatter the gradient of a saved view of this buffer into this rank's shard. The
+        views of a unit that saved several are summed whole while the backward diverts to
+        them one after the other, and scattered once (:data:`SUMMING`)."""
         flat = self.flat
         dtype, device = flat.reduce_dtype, flat.device
         lo, hi = view.span()
+        if self.noting:  # the gradient reached the view's parameter
+            flat.note_reached([s.offset <= lo < s.offset + s.numel for s in flat.slots],
+                              fast=True)
+        if self.saved_views > 1:
+            SUMMING.start(self)
+            if self.summing is None:
+                self.summing = BUFFERS.take(flat.padded, dtype, device)
+                self.summing.zero_()
+            self.summing.as_strided(view.size, view.stride, view.offset).add_(grad)
+            return
         if hi - lo == grad.numel() and grad.dtype == dtype and grad.device == device \
                 and grad.stride() == tuple(view.stride) and _dense(grad):
             # laid out in memory as the view lies in the buffer: read where it lies
@@ -202,16 +218,56 @@ class Gathered:
         # the same parts on every rank (the view's span between zeros), whatever the layout
         # of this rank's gradient: a reduce-scatter of parts sends them as they are cut
         parts = [zeros(lo, dtype, device), span, zeros(flat.padded - hi, dtype, device)]
-        out = scatter_parts([p for p in parts if p.numel()], flat)
-        del span
+        self._set_aside(scatter_parts([p for p in parts if p.numel()], flat))
+
+    def scatter_summed(self) -> None:
+        """Scatter the views' gradients summed so far into this rank's shard."""
+        summing, self.summing = self.summing, None
+        if summing is not None:
+            with torch.no_grad():  # only plain backwards divert (also when it ends)
+                self._set_aside(sum_over(summing, self.flat, scatter=True, scratch=True))
+
+    def _set_aside(self, out: Tensor) -> None:
         self.aside = out if self.aside is None else self.aside.add_(out)
-        if self.noting:  # the gradient reached the view's parameter
-            flat.note_reached([s.offset <= lo < s.offset + s.numel for s in flat.slots],
-                              fast=True)
 
     def take_aside(self) -> Tensor | None:
+        if self.summing is not None:
+            SUMMING.finish()
         aside, self.aside = self.aside, None
         return aside
+
+
+class _Summing(threading.local):
+    """The gather whose views' diverted gradients are being summed whole: one at a time per
+    thread (a backward diverts to a unit's views one after the other), scattered when a
+    backward diverts to another gather, when the gather's own backward takes them, or when
+    the backward ends. Where it scatters depends only on the order the backward runs its
+    nodes, the same on every rank."""
+
+    def __init__(self) -> None:
+        self.gathered: Gathered | None = None
+        self.task = -1
+
+    def start(self, gathered: Gathered) -> None:
+        if self.gathered is not gathered:
+            self.finish()
+            self.gathered = gathered
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def finish(self) -> None:
+        gathered, self.gathered = self.gathered, None
+        if gathered is not None:
+            gathered.scatter_summed()
+
+    def _end(self) -> None:
+        self.task = -1
+        self.finish()
+
+
+SUMMING = _Summing()
 
 
 class _Packed:

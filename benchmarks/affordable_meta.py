@@ -2,7 +2,8 @@
 
     python -m benchmarks.affordable_meta [--models mlp,gpt2] [--width 2048] [--depth 6]
                                          [--batch 32] [--ranks 2,4] [--steps 5] [--warmup 2]
-                                         [--rounds 3] [--json PATH] [--quick]
+                                         [--rounds 3] [--time-allocators metadist,default]
+                                         [--json PATH] [--quick]
 
 Two programs, each a second-order meta-step (3 unrolled SGD steps with create_graph, the
 outer loss, backward, the optimizer's step) written two ways: ddp with ``full_parameters()``
@@ -46,7 +47,6 @@ import metadist
 from benchmarks import sharded_meta as sm
 from benchmarks.common import Results, output_args, parse, rotation, timed
 from metadist.comm import ops, stats
-from metadist.runtime import resident
 from metadist.testing import peak_bytes_of
 
 PATHS = {"ddp": ("ddp", "gathered"), "zero3": ("zero3", "sharded")}
@@ -158,14 +158,16 @@ def _shape(args: argparse.Namespace) -> tuple[int, int, int]:
     return args.width, args.depth, args.batch
 
 
-def _times(args: argparse.Namespace, model: str, n: int) -> dict[str, dict[str, float]]:
+def _times(args: argparse.Namespace, model: str, n: int, setting: str
+           ) -> dict[str, dict[str, float]]:
     """Per path: the median over launches of its meta-step and its collectives alone."""
     samples: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
-    for i in range(args.rounds):
-        for path in rotation(list(PATHS), i):
-            samples[path].append(metadist.launch(
-                _time_body, n, args=(model, path, _shape(args), args.steps, args.warmup),
-                threads=1, timeout=3000)[0])
+    with sm._allocator(setting):
+        for i in range(args.rounds):
+            for path in rotation(list(PATHS), i):
+                samples[path].append(metadist.launch(
+                    _time_body, n, args=(model, path, _shape(args), args.steps, args.warmup),
+                    threads=1, timeout=3000)[0])
     return {p: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             for p, rs in samples.items()}
 
@@ -187,18 +189,20 @@ def _verdict(value: float, target: float) -> str:
 def _time_table(out: Results, args: argparse.Namespace, model: str, name: str) -> None:
     rows, records = [], []
     for n in (int(r) for r in args.ranks.split(",")):
-        t = _times(args, model, n)
-        d, z = t["ddp"], t["zero3"]
-        bound = (d["time"] - d["collectives"] + z["collectives"]) / d["time"]
-        ratio = z["time"] / d["time"]
-        rows.append((n, f"{d['time'] * 1e3:.0f}", f"{d['collectives'] * 1e3:.0f}",
-                     f"{z['time'] * 1e3:.0f}", f"{z['collectives'] * 1e3:.0f}",
-                     f"{ratio:.2f}", f"{bound:.2f}", _verdict(ratio, 1.5)))
-        records.append({"ranks": n, "ddp": d, "zero3": z, "ratio": ratio,
-                        "no_overlap_bound": bound})
+        for setting in args.time_allocators.split(","):
+            t = _times(args, model, n, setting)
+            d, z = t["ddp"], t["zero3"]
+            bound = (d["time"] - d["collectives"] + z["collectives"]) / d["time"]
+            ratio = z["time"] / d["time"]
+            rows.append((n, sm._setting_words(setting), f"{d['time'] * 1e3:.0f}",
+                         f"{d['collectives'] * 1e3:.0f}", f"{z['time'] * 1e3:.0f}",
+                         f"{z['collectives'] * 1e3:.0f}", f"{ratio:.2f}", f"{bound:.2f}",
+                         _verdict(ratio, 1.5)))
+            records.append({"ranks": n, "allocator": sm._setting_words(setting), "ddp": d,
+                            "zero3": z, "ratio": ratio, "no_overlap_bound": bound})
     out.heading(f"meta-step time, zero3 fast_weights() against ddp: {name}, gloo, 1 thread "
-                f"per rank, {os.cpu_count()} cores; allocator: {resident.setting()}")
-    out.table(["ranks", "ddp ms", "ddp's collectives alone ms", "zero3 ms",
+                f"per rank, {os.cpu_count()} cores")
+    out.table(["ranks", "allocator", "ddp ms", "ddp's collectives alone ms", "zero3 ms",
                "zero3's collectives alone ms", "time ratio zero3 / ddp",
                "bound without overlap (ddp - its collectives + zero3's) / ddp",
                "within 1.5"], rows, key=f"time_{model}")
@@ -235,8 +239,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed meta-steps per launch")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="launches per path, taking turns")
+    ap.add_argument("--time-allocators", default="metadist,default",
+                    help="the allocator settings the times are taken under: metadist "
+                         "(runtime/resident.py), default (METADIST_ALLOCATOR=default)")
     output_args(ap)
-    args = parse(ap, width=256, steps=2, warmup=1, rounds=1, ranks="2", models="mlp")
+    args = parse(ap, width=256, steps=2, warmup=1, rounds=1, ranks="2", models="mlp",
+                 time_allocators="metadist")
     started = time.perf_counter()
     with Results("affordable_meta", args) as out:
         for model in args.models.split(","):

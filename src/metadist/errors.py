@@ -114,3 +114,14 @@ class CollectiveFailedError(MetadistError):
         self.seq = seq
         self.missing = missing
         self.secondary = secondary  # False when the lost peer left cleanly: this is the origin
+
+
+class CollectiveAloneError(MetadistError):
+    """A collective was called from code that one rank runs by itself (rank 0's validation):
+    the other ranks are not there to join it, so it would wait out the collective timeout.
+    Raised at once, naming the region and what to do instead."""
+
+    def __init__(self, message: str, *, op: str = "", region: str = "") -> None:
+        super().__init__(message)
+        self.op = op
+        self.region = region

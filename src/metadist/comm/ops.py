@@ -20,7 +20,7 @@ from typing import Any, Literal, NoReturn
 import torch
 import torch.distributed as dist
 
-from metadist.comm import debug, ring, stats
+from metadist.comm import alone, debug, ring, stats
 from metadist.comm.debug import TensorSpec
 from metadist.comm.handle import Handle
 from metadist.runtime import watchdog
@@ -123,7 +123,9 @@ def reraise(entry: CollectiveCall, exc: BaseException) -> NoReturn:
 
 def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSpec],
            reduce: str, root: int, on_device: bool = False) -> CollectiveCall:
-    """Track the collective (watchdog) and, in debug mode, cross-check its fingerprint."""
+    """Track the collective (watchdog) and, in debug mode, cross-check its fingerprint;
+    refused at once where this rank runs alone (comm/alone.py)."""
+    alone.refuse(f"metadist.comm.{name}")
     entry = TRACKER.enter(name, pg, on_device)
     if TRACKER.debug:
         where = specs[0][0].device if specs else _world.world().device

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from metadist.comm import ops
+from metadist.comm.alone import alone
 from metadist.meta.bilevel import record_last_grads, upper_gradient, weighted
 from metadist.meta.config import EngineConfig
 from metadist.meta.loggers import make_logger
@@ -49,6 +50,13 @@ _OWN = frozenset({"config", "problems", "world", "leaves", "u2l", "l2u", "paths"
                   "global_step",
                   "validating", "stopped_early", "last_validation", "logger"})
 
+
+
+_VALIDATION_ALONE = (
+    "In validation() every problem's module is a local copy holding the current weights: read "
+    "it (or its state_dict()) directly; compute what needs every rank (a sharded optimizer's "
+    "state, a collective of your own) outside validation, e.g. after engine.run()."
+)
 
 class Engine:
     """Runs ``problems`` under ``config.strategy``: ``Engine(problems, config,
@@ -347,7 +355,8 @@ class Engine:
                     if p._replica is not None:
                         p._replica.load_state_dict(state)
                         p._replica.eval()
-                metrics = self._validation_metrics(self.validation() or {})
+                with alone("validation(), which runs on rank 0 only", _VALIDATION_ALONE):
+                    metrics = self._validation_metrics(self.validation() or {})
             except Exception:  # every rank must learn of it, not wait forever
                 error = traceback.format_exc()
             finally:

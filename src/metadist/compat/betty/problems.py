@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from metadist.checkpoint.capture import module_placement
 from metadist.compat.betty.configs import Config
+from metadist.errors import CollectiveAloneError
 from metadist.meta.config import ProblemConfig
 from metadist.meta.problem import Problem as NativeProblem
 from metadist.strategies.base import Strategy
@@ -365,10 +366,27 @@ class Problem(NativeProblem):
         return self.optimizer.state[param]
 
     def state_dict(self) -> dict[str, Any]:
-        """Module and optimizer (plain single-process format; collective), scheduler, scaler."""
+        """Module and optimizer (plain single-process format; collective), scheduler, scaler.
+        In validation (rank 0 alone) the module's is its local copy's, the current weights;
+        an optimizer whose state is spread over the ranks stops, saying so."""
         assert self.strategy is not None
-        out = {"module": self.wrapped.state_dict(),
-               "optimizer": self.strategy.optimizer_state_dict(self.optimizer)}
+        engine = self._engine
+        if engine is not None and engine.validating and self._replica is not None:
+            module = self._replica.state_dict()
+            try:
+                optimizer = self.strategy.optimizer_state_dict(self.optimizer)
+            except CollectiveAloneError as exc:
+                raise CollectiveAloneError(
+                    f"{type(self).__name__}.state_dict() in validation(): the optimizer's "
+                    f"state under strategy {_strategy_name(engine)!r} is spread over the "
+                    f"ranks, and validation() runs on rank 0 only. In validation, "
+                    f"self.{self.name}.module.state_dict() is the whole model's; save the "
+                    f"problem's whole state outside validation (e.g. after engine.run()).",
+                    op=exc.op, region=exc.region) from None
+            out = {"module": module, "optimizer": optimizer}
+        else:
+            out = {"module": self.wrapped.state_dict(),
+                   "optimizer": self.strategy.optimizer_state_dict(self.optimizer)}
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
         if self.strategy.scaler is not None:
@@ -413,6 +431,12 @@ class Problem(NativeProblem):
 
 class ImplicitProblem(Problem):
     """Betty's problem whose module and optimizer are plain torch objects."""
+
+
+def _strategy_name(engine: Any) -> str:
+    """The strategy as the program named it: Betty's name under the drop-in's engine."""
+    betty = getattr(engine, "betty_config", None)
+    return str(betty.strategy if betty is not None else engine.config.strategy)
 
 
 def _cloned(state: Any) -> Any:

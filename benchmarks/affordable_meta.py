@@ -242,6 +242,7 @@ def main() -> None:
     ap.add_argument("--time-allocators", default="metadist,default",
                     help="the allocator settings the times are taken under: metadist "
                          "(runtime/resident.py), default (METADIST_ALLOCATOR=default)")
+    ap.add_argument("--parts", default="time,memory", help="which tables: time, memory")
     output_args(ap)
     args = parse(ap, width=256, steps=2, warmup=1, rounds=1, ranks="2", models="mlp",
                  time_allocators="metadist")
@@ -249,8 +250,10 @@ def main() -> None:
     with Results("affordable_meta", args) as out:
         for model in args.models.split(","):
             name = _program_name(model, args)
-            _time_table(out, args, model, name)
-            _memory_table(out, args, model, name)
+            if "time" in args.parts:
+                _time_table(out, args, model, name)
+            if "memory" in args.parts:
+                _memory_table(out, args, model, name)
         out.note(f"{time.perf_counter() - started:.0f} s in all")
 
 

@@ -105,7 +105,7 @@ def _allocator(setting: str) -> Iterator[None]:
         return
     saved = {k: os.environ.get(k) for k in (resident.ENV, "THP_MEM_ALLOC_ENABLE")}
     os.environ[resident.ENV] = "default"  # read by each rank when it imports metadist
-    if "torch huge pages from 2 MiB" in resident.setting():
+    if "torch huge pages" in resident.setting():
         os.environ.pop("THP_MEM_ALLOC_ENABLE", None)  # this process's, not the user's
     try:
         yield

@@ -54,14 +54,14 @@ def _freed(env: dict[str, str]) -> tuple[int, str]:
 def test_a_freed_buffer_goes_back_to_the_system() -> None:
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     grown, words = _freed({**env, "METADIST_ALLOCATOR": ""})
-    assert words.startswith("metadist's: glibc mmap threshold 2 MiB"), words
+    assert words.startswith("metadist's: glibc mmap threshold 4 MiB"), words
     assert grown < 8, f"{grown} MiB stayed resident after the buffers were freed"
     kept, words = _freed({**env, "METADIST_ALLOCATOR": "default"})
     assert words.startswith("glibc and torch defaults"), words
     assert kept >= 16, f"glibc's defaults kept {kept} MiB: the comparison shows nothing"
 
 
-WIDTH, DEPTH, BATCH = 1536, 4, 32  # units of 9 MiB: shards of 4.5 and 2.25 MiB at N = 2, 4
+WIDTH, DEPTH, BATCH = 2048, 3, 32  # units of 16 MiB: shards of 8 and 4 MiB at N = 2, 4
 
 
 def _growth(path: str, n: int, setting: str) -> float:
@@ -82,14 +82,14 @@ def test_sharded_meta_step_resident_growth_follows_its_tensors(growth: dict[Any,
                                                                ) -> None:
     one, ddp2 = growth[("gathered", 1, "metadist")], growth[("gathered", 2, "metadist")]
     assert growth[("sharded", 2, "metadist")] <= ddp2, growth
-    # live storages at N = 4 are 0.3 of one process's (0.42 resident at this size, 0.3 at
-    # benchmarks/affordable_meta.py's); under the defaults 0.76
-    assert growth[("sharded", 4, "metadist")] <= 0.5 * one, growth
+    # 0.48 of one process's at this size (3 units: each rank's fixed share weighs more; 0.35
+    # at benchmarks/affordable_meta.py's 6), 0.88 under the defaults
+    assert growth[("sharded", 4, "metadist")] <= 0.6 * one, growth
 
 
 def test_under_the_defaults_it_did_not(growth: dict[Any, float]) -> None:
     """The comparison above can fail: glibc's and torch's defaults on the same program."""
     one = growth[("gathered", 1, "default")]
-    assert growth[("sharded", 4, "default")] > 0.5 * one, growth
+    assert growth[("sharded", 4, "default")] > 0.6 * one, growth
 
 

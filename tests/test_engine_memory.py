@@ -24,12 +24,16 @@ from metadist.testing import peak_bytes_of, run_on_ranks
 WIDE = {"wrap_classes": (nn.Linear,)}
 WIDTH, DEPTH, BATCH = 128, 12, 8  # many units: the model, not one unit, dominates the peak
 UNIT = WIDTH * (WIDTH + 1) * 4  # one Linear, whole (float32)
-# A backward holds a unit's gathered weights and its whole gradient while it runs (two
-# units); a finished collective's buffers go back to the allocator when gloo's worker thread
-# drops its reference, after it signalled completion, so at the peak up to one more unit per
-# worker thread (two) may still be alive: measured here, the peak moves by exactly one unit
-# between runs, with the garbage collector off too. The old path's whole copy is 12 units.
-SLACK_UNITS = 4
+# Whole units alive at a backward's peak by design: the unit's gathered weights and the
+# next unit's gather started ahead (both buffers of the gather pool,
+# strategies/zero3/gather_buffers.py), the unit's whole weight gradient, and the
+# concatenated parts a small reduce-scatter reduces in place: four. A finished collective's
+# tensors go back to the allocator when gloo's worker thread drops its reference, after it
+# signalled completion, so at the peak up to one more unit per worker thread (two) may
+# still be alive: measured here, the peak moves by exactly one such unit between runs of
+# the same process (the pool's allocations do not change). The old path's whole copy is
+# 12 units, more than the bound's 1/N share and these six together.
+SLACK_UNITS = 6
 
 
 class Regression(Problem):

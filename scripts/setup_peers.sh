@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The peers the test suite compares metadist with (Betty, TorchOpt, higher, learn2learn), at
-# the versions constraints/peers.txt pins, into .peers/ beside the package: tests put it on
-# the path of the processes that run a peer, nothing else sees it. Idempotent: a stamp
-# named after the pins' checksum says the set is complete.
+# The peers the test suite compares metadist with (Betty, TorchOpt, higher, learn2learn,
+# FairScale), at the versions constraints/peers.txt pins, into .peers/ beside the package:
+# tests put it on the path of the processes that run a peer, nothing else sees it.
+# Idempotent: a stamp named after the pins' checksum says the set is complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,6 +62,9 @@ rm -rf "$src/.eggs"
 PYTHONPATH=.peers-build/cython "$py" -m cython -3 "$src"learn2learn/data/*.pyx
 "$py" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
     --target .peers "$src"
-rm -rf .peers/tests .peers/bin .peers-build  # its sdist also installs its own tests package
+# FairScale: its sdist, built here without CUDA (pure Python).
+"$py" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation \
+    --target .peers "$(pin fairscale)"
+rm -rf .peers/tests .peers/bin .peers/benchmarks .peers-build  # sdists' own test packages
 torchopt_tests
 touch "$stamp"

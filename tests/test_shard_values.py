@@ -210,8 +210,6 @@ REFUSED = {"L2 penalty": "ValueError: sum across",
            "as numpy": "ValueError: numpy across",
            "total norm of scaled gradients": "ValueError: a gradient norm over tensors "
                                              "computed from zero3/hsdp shards",
-           "freeze the first": r"ValueError: requires_grad was changed after setup on "
-                               r"\['embed.weight'\] but not on the other parameters",
            "ema": "RuntimeError: The size of tensor.*\nOne of these tensors is a zero3/hsdp shard"}
 
 

@@ -126,7 +126,9 @@ def _enter(name: str, pg: dist.ProcessGroup, size: int, specs: Sequence[TensorSp
     """Track the collective (watchdog) and, in debug mode, cross-check its fingerprint;
     refused at once where this rank runs alone (comm/alone.py)."""
     alone.refuse(f"metadist.comm.{name}")
-    entry = TRACKER.enter(name, pg, on_device)
+    within = alone.current_call()  # named in progress reports: whichever rank reports
+    entry = TRACKER.enter(name if within is None else f"{name} in {within}", pg, on_device)
+    entry.within = within
     if TRACKER.debug:
         where = specs[0][0].device if specs else _world.world().device
         try:

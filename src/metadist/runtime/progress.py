@@ -174,6 +174,20 @@ def _unpublished(entry: CollectiveCall, me: int, count: int) -> str:
 _DIRECTION = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
 
+def _first_difference(mine: tuple[int, str] | Published, theirs: tuple[int, str] | Published,
+                      seq: int) -> tuple[int, str, str] | None:
+    """The earliest call before ``seq`` that both ranks' kept histories name, and name
+    differently (a collective of one call paired with another's of the same kind)."""
+    found = None
+    for earlier in range(seq - 1, 0, -1):
+        a, b = op_at(mine, earlier), op_at(theirs, earlier)
+        if a is None or b is None:
+            break
+        if a != b:
+            found = (earlier, a, b)
+    return found
+
+
 def explain(entry: CollectiveCall,
             states: Mapping[int, tuple[int, str] | Published | None] | None, me: int,
             progress: Progress) -> tuple[str, tuple[int, ...]]:
@@ -224,11 +238,18 @@ def explain(entry: CollectiveCall,
         else:
             parts.append(f"{who} did not arrive and published no progress: "
                          f"{_unpublished(entry, me, len(ranks))}")
+    mine = states.get(me)
     for op, ranks in sorted(diverged.items(), key=lambda kv: kv[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
+        theirs_state = states.get(ranks[0])
+        first = (None if mine is None or theirs_state is None
+                 else _first_difference(mine, theirs_state, entry.seq))
+        earlier = ("" if first is None else
+                   f"; they first paired different calls at #{first[0]}: {first[1]} on this "
+                   f"rank, {first[2]} on rank {ranks[0]}")
         parts.append(f"{who} entered {op} as #{entry.seq} instead: the ranks' programs diverged "
-                     "(a skipped, extra or reordered collective; METADIST_DEBUG=1 stops at the "
-                     "first differing call)")
+                     f"(a skipped, extra or reordered collective{earlier}; METADIST_DEBUG=1 "
+                     "stops at the first differing call)")
     for (seq, op), ranks in sorted(past.items(), key=lambda kv: kv[1][0]):
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {compact_ranks(ranks)}"
         parts.append(f"{who} {'is' if len(ranks) == 1 else 'are'} already past this call (at "

@@ -51,7 +51,7 @@ class GroupInfo:
 class CollectiveCall:
     """One collective this process entered: where, which call, since when, and its works."""
 
-    __slots__ = ("device", "group", "op", "seq", "start", "works")
+    __slots__ = ("device", "group", "op", "seq", "start", "within", "works")
 
     def __init__(self, group: GroupInfo, seq: int, op: str, device: bool = False) -> None:
         self.group = group
@@ -60,6 +60,7 @@ class CollectiveCall:
         self.device = device  # runs on an accelerator stream: wait() may return before it ends
         self.start = time.monotonic()
         self.works: Sequence[Any] | None = None  # None: still being issued, or synchronous
+        self.within: str | None = None  # the collective call that issued it (comm/alone.py)
 
     def completed(self) -> bool:
         works = self.works

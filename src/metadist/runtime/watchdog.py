@@ -225,6 +225,11 @@ class Watchdog:
         fix = ("Every rank must issue the same collectives in the same order; if a rank is "
                "legitimately slower here (e.g. it writes a checkpoint alone), raise the limit: "
                f"metadist.init(timeout=...) or {TIMEOUT_VAR}=<seconds>.")
+        if entry.within is not None:
+            fix = (f"It was issued by {entry.within}, which is collective: every rank must call "
+                   "it (a call on some ranks only, e.g. under `if rank == 0:`, waits here for "
+                   "the others); call it on every rank and keep the result where it is "
+                   "needed. " + fix)
         message = (f"{entry.op} #{entry.seq} on {entry.group.label} did not complete within "
                    f"{_seconds(self.config.timeout)} on rank {self.rank}: {text}. {fix} "
                    f"Every rank is being stopped (exit status {self.config.exit_code}).")

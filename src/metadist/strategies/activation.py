@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -43,8 +44,7 @@ class CheckpointWrapper(nn.Module):
         self.preserve_rng_state = preserve_rng_state
         # The wrapper is invisible in state dicts: "block.checkpointed.w" is saved as
         # "block.w", so checkpoints load with and without activation checkpointing.
-        self._register_state_dict_hook(_strip_prefix)
-        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
+        hide_in_state_dicts(self, CHECKPOINTED)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Recomputation runs in backward, after a functional forward (fast weights of an
@@ -90,20 +90,25 @@ class _Both:
             self.first.__exit__(*exc)
 
 
-_PREFIX = CHECKPOINTED + "."
+def hide_in_state_dicts(wrapper: nn.Module, child: str) -> None:
+    """Make ``wrapper`` invisible in state dicts: ``wrapper.<child>.w`` is saved as
+    ``wrapper.w`` and loaded from it, so checkpoints load with and without the wrapper."""
+    wrapper._register_state_dict_hook(partial(_strip_prefix, inner=child + "."))
+    wrapper._register_load_state_dict_pre_hook(partial(_add_prefix, inner=child + "."),
+                                               with_module=True)
 
 
 def _strip_prefix(module: nn.Module, state: dict[str, Any], prefix: str,
-                  local_metadata: Any) -> dict[str, Any]:
-    inner = prefix + _PREFIX
-    for key in [k for k in state if k.startswith(inner)]:
-        state[prefix + key[len(inner):]] = state.pop(key)
+                  local_metadata: Any, *, inner: str) -> dict[str, Any]:
+    for key in [k for k in state if k.startswith(prefix + inner)]:
+        state[prefix + key[len(prefix + inner):]] = state.pop(key)
     return state
 
 
-def _add_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
-    for key in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + _PREFIX)]:
-        state[prefix + _PREFIX + key[len(prefix):]] = state.pop(key)
+def _add_prefix(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any,
+                inner: str) -> None:
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(prefix + inner)]:
+        state[prefix + inner + key[len(prefix):]] = state.pop(key)
 
 
 def checkpoint_wrapper(module: nn.Module, *, preserve_rng_state: bool = True

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 import metadist.runtime.world as _world
-from metadist.comm import functional, ops
+from metadist.comm import alone, functional, ops
 from metadist.comm.ops import ReduceOpName
 from metadist.precision import LossScaler, Precision, parse_dtype
 from metadist.runtime.world import World
@@ -435,7 +435,8 @@ class Strategy(ABC):
         from metadist.strategies.sharded_optim import full_state_dict
 
         self.init()
-        return full_state_dict(optimizer, to)
+        with alone.collective_call("strategy.optimizer_state_dict()"):
+            return full_state_dict(optimizer, to)
 
     # ----- checkpoints -------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], state: dict[str, Any], *,

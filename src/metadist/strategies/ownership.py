@@ -17,7 +17,7 @@ to no set-up module: their gradients would stay local to each rank.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,6 +35,9 @@ class _Claim:
     strategy: str
     #: why an optimizer stepping this tensor must be set up by the strategy (None: needn't)
     optimizer_needed: str | None
+    #: sets such an optimizer up at its first step instead of refusing it (a drop-in whose
+    #: users build the optimizer after wrapping the model, as FairScale's FSDP users do)
+    adopt: Callable[[Optimizer], object] | None = None
 
 
 _CLAIMS: dict[int, _Claim] = {}
@@ -48,15 +51,17 @@ def _forget(ref: weakref.ref[torch.Tensor], key: int) -> None:
         del _CLAIMS[key]
 
 
-def claim(tensors: Iterable[torch.Tensor], strategy: str, optimizer_needed: str | None) -> None:
-    """Record that ``strategy`` set up ``tensors`` (what its optimizer steps)."""
+def claim(tensors: Iterable[torch.Tensor], strategy: str, optimizer_needed: str | None,
+          adopt: Callable[[Optimizer], object] | None = None) -> None:
+    """Record that ``strategy`` set up ``tensors`` (what its optimizer steps); ``adopt``
+    sets up an optimizer that steps them unset, at its first step."""
     global _hook_installed
     if not _hook_installed:
         register_optimizer_step_pre_hook(_check_step)
         _hook_installed = True
     for t in tensors:
         _CLAIMS[id(t)] = _Claim(weakref.ref(t, partial(_forget, key=id(t))), strategy,
-                                optimizer_needed)
+                                optimizer_needed, adopt)
 
 
 def claim_of(t: torch.Tensor) -> _Claim | None:
@@ -76,6 +81,9 @@ def _check_step(optimizer: Optimizer, args: object, kwargs: object) -> None:
         _CLEAN[optimizer] = shape
         return
     first = stepped[0]
+    if first.adopt is not None and all(c.adopt is first.adopt for c in stepped):
+        first.adopt(optimizer)  # installs the step chain, which runs after this hook
+        return
     raise RuntimeError(
         f"this {type(optimizer).__name__} steps {len(stepped)} parameter(s) of a model set up "
         f"by strategy {first.strategy!r}, but was never passed to it: {first.optimizer_needed}. "

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from metadist.comm import alone
 from metadist.strategies.placement import flat_part, paste
 from metadist.strategies.zero3.flat import FlatParam
 from metadist.strategies.zero3.sharded_param import ShardedParam, resolved
@@ -164,7 +165,8 @@ class ShardedStateDict:
         if self._read_at.get(flat) != flat.shard._version:
             # The shard's own dtype (a param_dtype gather would round), each parameter a
             # copy of its own (a view would keep the whole flat alive, and saved with it).
-            full = flat.gather_laid_out(flat.shard)
+            with alone.collective_call("state_dict() of a model sharded by zero3/hsdp"):
+                full = flat.gather_laid_out(flat.shard)
             for j, view in enumerate(flat.views(full)):
                 self._values[(flat, j)] = view.clone()
             self._read_at[flat] = flat.shard._version

@@ -292,7 +292,10 @@ class FlatParam:
         """Parameter-shaped views of ``full``: one node in backward, which records which of
         them a gradient reached."""
         if full.requires_grad:
-            return list(_Views.apply(full, self))
+            # a parameter frozen after setup gets no gradient, as in one process, while the
+            # rest of its flat trains (its slot reads as unreached: the step skips it)
+            return [v if p.requires_grad else v.detach() for v, p in
+                    zip(_Views.apply(full, self), self.placeholders, strict=True)]
         return split_views(full, self)
 
     def note_reached(self, mask: list[bool], fast: bool = False) -> None:

@@ -325,40 +325,31 @@ def _set_flag(param: ShardedParam, func: Any, args: Any, kwargs: Any) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         out = func(*args, **kwargs)
     flat = param.source[0]
-    flags = {p.requires_grad for p in flat.placeholders}
-    if len(flags) == 1:
-        flat.shard.requires_grad_(flags.pop())
+    flat.shard.requires_grad_(any(p.requires_grad for p in flat.placeholders))
     return param if out is None else out
 
 
 def check_flags(flats: list[Any], at_setup: list[bool]) -> None:
-    """Before a forward: each flat's parameters agree on ``requires_grad``, and each flat
-    is as at setup or frozen (or all are trainable); the shards follow them.
+    """Before a forward: each flat's shard requires a gradient while any of its parameters
+    does; a flat frozen at setup stays frozen.
 
-    A flat holds slices of several parameters of one unit, and zero3 keeps frozen
-    parameters in flats of their own at setup. Freezing all of a flat's parameters (a
-    layer, ``model.requires_grad_(False)``, a GAN's loop over the discriminator's
-    parameters) is one process's freeze; freezing a part of a flat after setup would also
-    freeze the rest of what it holds."""
-    flags = [{p.requires_grad for p in flat.placeholders} for flat in flats]
-    alike = [next(iter(f)) if len(f) == 1 else None for f in flags]
-    if None not in alike and (all(alike) or all(
-            now in (then, False) for now, then in zip(alike, at_setup, strict=True))):
-        for flat, flag in zip(flats, alike, strict=True):
-            if flat.shard.requires_grad != flag:
-                flat.shard.requires_grad_(flag)
-        return
-    changed = [p.fqn for flat, then in zip(flats, at_setup, strict=True)
-               for p in flat.placeholders if p.requires_grad != then]
-    raise ValueError(
-        f"requires_grad was changed after setup on {changed[:4]}"
-        f"{' ...' if len(changed) > 4 else ''} but not on the other parameters sharded "
-        "with them, or unfrozen where they were frozen at setup: zero3/fsdp/hsdp keeps a "
-        "unit's parameters of one optimizer group and requires_grad in one flat shard, "
-        "so this would freeze or unfreeze them too. Freeze these parameters on your module "
-        "before setup (net.layer.requires_grad_(False)): zero3 keeps frozen parameters in "
-        "flats of their own; or freeze or unfreeze all of model.parameters() "
-        "(model.requires_grad_(False))")
+    Freezing parameters after setup is one process's freeze, also a part of a flat: the
+    frozen ones get no gradient (:meth:`FlatParam.views`) and the step skips them
+    (strategies/zero3/unreached.py). zero3 keeps parameters frozen at setup in flats of
+    their own, without gradient or optimizer state: those cannot start training later."""
+    unfrozen = [p.fqn for flat, then in zip(flats, at_setup, strict=True) if not then
+                for p in flat.placeholders if p.requires_grad]
+    if unfrozen:
+        raise ValueError(
+            f"requires_grad was set after setup on {unfrozen[:4]}"
+            f"{' ...' if len(unfrozen) > 4 else ''}, which were frozen at setup: zero3/fsdp/"
+            "hsdp keeps parameters frozen at setup in shards without gradients or optimizer "
+            "state. Set up the model with them trainable and freeze them after setup until "
+            "they should train (freezing after setup is exact), or use ddp, zero1 or zero2")
+    for flat in flats:
+        flag = any(p.requires_grad for p in flat.placeholders)
+        if flat.shard.requires_grad != flag:
+            flat.shard.requires_grad_(flag)
 
 
 def user_parameters(flats: Sequence[Any], modules: Sequence[tuple[str, nn.Module]],

@@ -52,7 +52,28 @@ def _maml(torchopt: Any, make: Callable[[nn.Module], Any], net: nn.Module, x: to
 
 CASES = ("MetaSGD", "MetaAdam", "MetaAdamW", "MetaRMSProp", "MetaAdaGrad", "sgd_positional",
          "apply_updates_default", "original_running_mean", "FuncOptimizer", "chain_clip",
-         "schedule")
+         "schedule", "MetaAdam_accelerated", "MetaAdamW_accelerated", "adam_accelerated_float32")
+#: computed with TorchOpt's own operations in TorchOpt's order (its fused Adam and
+#: hand-written backward), so equal bit for bit
+BITWISE = ("MetaAdam_accelerated", "MetaAdamW_accelerated", "adam_accelerated_float32")
+
+
+def _accelerated_float32(torchopt: Any) -> list[torch.Tensor]:
+    """A meta-gradient through three differentiable accelerated Adam steps, in float32:
+    with respect to per-element loss weights (a hyperparameter) and the start point."""
+    start = torch.linspace(-1.0, 1.0, 7, requires_grad=True)
+    weights = torch.linspace(0.5, 1.5, 7, requires_grad=True)
+    target = torch.linspace(1.0, -0.5, 7)
+    opt = torchopt.adam(0.1, moment_requires_grad=True, use_accelerated_op=True)
+    params = (start,)
+    state = opt.init(params)
+    for _ in range(3):
+        loss = ((params[0] - target) ** 2 * weights).sum()
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        updates, state = opt.update(grads, state, inplace=False)
+        params = torchopt.apply_updates(params, updates, inplace=False)
+    meta = torch.autograd.grad((params[0] ** 3).sum(), (weights, start))
+    return [params[0].detach(), *meta]
 
 
 def run(impl: str) -> dict[str, Any]:
@@ -110,5 +131,12 @@ def run(impl: str) -> dict[str, Any]:
                                           params=p, inplace=False)
         p = torchopt.apply_updates(p, updates, inplace=False)
     out["schedule"] = p[0].clone()
+    for name, make in [
+            ("MetaAdam_accelerated", lambda n: torchopt.MetaAdam(n, 0.01,
+                                                                  use_accelerated_op=True)),
+            ("MetaAdamW_accelerated", lambda n: torchopt.MetaAdamW(n, 0.01,
+                                                                    use_accelerated_op=True))]:
+        out[name] = _maml(torchopt, make, _mlp(), vec, labels3, vec_q)
+    out["adam_accelerated_float32"] = _accelerated_float32(torchopt)
     assert tuple(out) == CASES
     return out

@@ -1,7 +1,7 @@
-"""TorchOpt's ``torchopt.accelerated_op``. TorchOpt's compiled C++/CUDA kernels are not part
-of this layer: ``is_available`` answers as TorchOpt does where only its pure-Python fallback
-runs (True for devices on which an Adam step runs; False for CUDA without a GPU), and
-``use_accelerated_op=True`` computes the same Adam arithmetic."""
+"""TorchOpt's ``torchopt.accelerated_op``: its fused Adam step with its numbers and its
+hand-written backward (:mod:`.adam_op`). ``is_available`` answers as TorchOpt does where its
+compiled kernels do not load (True for devices on which an Adam step runs; False for CUDA
+without a GPU)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from metadist.compat.torchopt import _tree
+from metadist.compat.torchopt.accelerated_op.adam_op import AdamOp
 from metadist.compat.torchopt.base import GradientTransformation
 from metadist.compat.torchopt.transform.basic import _zero_count
 from metadist.compat.torchopt.transform.utils import inc_count, put, update_moment, variants
@@ -125,10 +126,41 @@ def _scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 def _scale_by_accelerated_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                                eps_root: float = 0.0, moment_requires_grad: bool = False, *,
                                already_flattened: bool = False) -> GradientTransformation:
-    """TorchOpt's fused Adam: the same arithmetic as :func:`scale_by_adam` here (TorchOpt's
-    own fallback where its compiled op is unavailable)."""
-    return _scale_by_adam(b1, b2, eps, eps_root, moment_requires_grad,
-                          already_flattened=already_flattened)
+    """TorchOpt's fused Adam: :class:`~metadist.compat.torchopt.accelerated_op.AdamOp` per
+    tensor, with TorchOpt's backward (its numbers; ``scale_by_adam`` has the exact
+    derivative)."""
+    _check(eps, "beta", b1, b2)
+    tree_map = _tree.mappers(already_flattened)[0]
+
+    def init(params: Any) -> ScaleByAdamState:
+        zeros = _zeros(moment_requires_grad)
+        return ScaleByAdamState(tree_map(zeros, params), tree_map(zeros, params),
+                                tree_map(_zero_count, params))
+
+    def update(updates: Any, state: Any, *, params: Any = None, inplace: bool = True
+               ) -> tuple[Any, Any]:
+        count = inc_count.impl(updates, state.count, already_flattened=already_flattened)
+        op = AdamOp(b1=b1, b2=b2, eps=eps, eps_root=eps_root, inplace=inplace)
+
+        def step(mu: Any, nu: Any, g: Any, c: Any) -> tuple[Any, Any, Any]:
+            if mu is None or isinstance(mu, _tree.MaskedNode):
+                return mu, nu, g
+            return op(mu, nu, g, c)
+
+        if already_flattened:
+            out = [step(*leaf) for leaf in zip(state.mu, state.nu, updates, count, strict=True)]
+            like = updates.__class__
+            mu, nu, new = (like([o[i] for o in out]) for i in range(3))
+        else:
+            mus, spec = _tree.flatten(state.mu)
+            out = [step(*leaf) for leaf in zip(mus, _tree.leaves(state.nu, none_is_leaf=True),
+                                                 spec.flatten_up_to(updates),
+                                                 _tree.leaves(count, none_is_leaf=True),
+                                                 strict=True)]
+            mu, nu, new = (_tree.unflatten(spec, [o[i] for o in out]) for i in range(3))
+        return new, ScaleByAdamState(mu, nu, count)
+
+    return GradientTransformation(init, update)
 
 
 def _scale_by_rms(alpha: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0, *,

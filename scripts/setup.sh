@@ -21,4 +21,4 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/dev.txt -e ".[dev,demo]"
 # The peers the suite compares with, beside the package (.peers/).
 ./scripts/setup_peers.sh
-touch .venv/.installed
+touch .venv/.installed .venv/.demo-installed

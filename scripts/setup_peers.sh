@@ -51,6 +51,10 @@ pip_target .peers --ignore-requires-python "$(pin betty-ml)"
 pip_target .peers "$(pin torchopt)" "$(pin optree)" "$(pin graphviz)" "$(pin higher)" \
     "$(pin requests)" "$(pin urllib3)" "$(pin idna)" "$(pin charset-normalizer)" \
     "$(pin certifi)" "$(pin gym)" "$(pin gym-notices)" "$(pin cloudpickle)"
+# JAX on the CPU, for the JAX comparisons of TorchOpt's test_implicit.py (numpy and scipy
+# are the venv's own)
+pip_target .peers "$(pin jax)" "$(pin jaxlib)" "$(pin jaxopt)" "$(pin optax)" \
+    "$(pin ml-dtypes)" "$(pin opt-einsum)" "$(pin absl-py)"
 
 # learn2learn: from its sdist, with the Cython extensions regenerated for this Python.
 pip_target .peers-build/cython "$(pin cython)"

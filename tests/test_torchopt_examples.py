@@ -205,14 +205,10 @@ def test_functorch_parallel_train_example_equals_torchopt(tmp_path: Path) -> Non
 def test_visualize_example_draws_torchopts_graph(flags: list[str], tmp_path: Path) -> None:
     """torchopt.visual.make_dot on a MetaAdam step with two states extracted with
     enable_visual: the DOT source is TorchOpt's line for line (ids renumbered), also with
-    show_attrs and show_saved. With use_accelerated_op=True TorchOpt draws its compiled Adam
-    op's nodes (UpdatesOpBackward, MuOpBackward); the drop-in has no compiled op and, as
-    TorchOpt does without one, runs the Python Adam: its drawing is TorchOpt's drawing of
-    that (by design, listed in docs/mapreduce.md)."""
+    show_attrs and show_saved, and with use_accelerated_op=True, whose fused Adam both
+    draw as its autograd functions' nodes (UpdatesOpBackward, MuOpBackward)."""
     compat = _single("visualize_example.py", flags, tmp_path / "compat.json", compat=True)
-    real_flags = [f for f in flags if f != "--accelerated"]
-    real = _single("visualize_example.py", real_flags, tmp_path / "real.json", compat=False)
+    real = _single("visualize_example.py", flags, tmp_path / "real.json", compat=False)
     assert compat == real
     if flags == ["--accelerated"]:
-        compiled = _single("visualize_example.py", flags, tmp_path / "op.json", compat=False)
-        assert any("UpdatesOpBackward" in line for line in compiled)
+        assert any("UpdatesOpBackward" in line for line in compat)

@@ -32,6 +32,7 @@ from metadist.compat.torchopt import (
     update,
     utils,
 )
+from metadist.compat.torchopt._names import present_loaded
 from metadist.compat.torchopt.accelerated_op import is_available as accelerated_op_available
 from metadist.compat.torchopt.alias import (
     adadelta,
@@ -89,6 +90,8 @@ from metadist.compat.torchopt.utils import (
     stop_gradient,
 )
 from metadist.compat.torchopt.version import __version__
+
+present_loaded()  # TorchOpt's module paths (_names.py)
 
 _LAZY = ("diff", "distributed", "linalg", "linear_solve", "nn", "pytree", "visual")
 

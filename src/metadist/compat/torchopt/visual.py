@@ -103,6 +103,7 @@ def make_dot(var: Any, params: Any = None, show_attrs: bool = False, show_saved:
     names = _param_map(params)
     dot = _graphviz().Digraph(node_attr=_NODE, graph_attr={"size": "12,12"})
     seen: set[Any] = set()
+    kept: list[torch.Tensor] = []
 
     def var_name(t: torch.Tensor, name: str | None = None) -> str:
         return f"{name or names.get(t, '')}\n{_size(t)}"
@@ -138,6 +139,7 @@ def make_dot(var: Any, params: Any = None, show_attrs: bool = False, show_saved:
                 dot.edge(str(id(parent)), str(id(fn)))
                 add_nodes(parent)
         for t in getattr(fn, "saved_tensors", ()):
+            kept.append(t)  # alive until drawn: another tensor must not reuse its id
             dot.edge(str(id(t)), str(id(fn)))
             dot.node(str(id(t)), var_name(t), fillcolor="orange")
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["AdamOp"]
+__all__ = ["AdamOp", "MuOp", "NuOp", "UpdatesOp"]
 
 
 def _moment1(updates: Tensor, mu: Tensor, b1: float) -> Tensor:
@@ -37,11 +37,12 @@ def _step(mu: Tensor, nu: Tensor, b1: float, b2: float, eps: float, eps_root: fl
         nu.div(1.0 - pow(b2, count)).add_(eps_root).sqrt_().add_(eps))
 
 
-class _MuOp(torch.autograd.Function):
+class MuOp(torch.autograd.Function):
     """The first moment."""
 
     @staticmethod
     def forward(ctx: Any, updates: Tensor, mu: Tensor, b1: float) -> Tensor:
+        ctx.save_for_backward(updates, mu)  # what TorchOpt's saves (torchopt.visual draws it)
         ctx.b1 = b1
         return _moment1(updates, mu, b1)
 
@@ -50,34 +51,34 @@ class _MuOp(torch.autograd.Function):
         return dmu.mul(1.0 - ctx.b1), dmu.mul(ctx.b1), None
 
 
-class _NuOp(torch.autograd.Function):
+class NuOp(torch.autograd.Function):
     """The second moment."""
 
     @staticmethod
     def forward(ctx: Any, updates: Tensor, nu: Tensor, b2: float) -> Tensor:
-        ctx.save_for_backward(updates)
+        ctx.save_for_backward(updates, nu)
         ctx.b2 = b2
         return _moment2(updates, nu, b2)
 
     @staticmethod
     def backward(ctx: Any, dnu: Tensor) -> tuple[Tensor, Tensor, None]:
-        (updates,) = ctx.saved_tensors
+        updates, _ = ctx.saved_tensors
         return updates.mul(dnu).mul_(2.0 * (1.0 - ctx.b2)), dnu.mul(ctx.b2), None
 
 
-class _UpdatesOp(torch.autograd.Function):
+class UpdatesOp(torch.autograd.Function):
     """The step from the moments, with TorchOpt's backward (see the module notes)."""
 
     @staticmethod
     def forward(ctx: Any, mu: Tensor, nu: Tensor, others: tuple[Any, ...]) -> Tensor:
         out = _step(mu, nu, *others)
-        ctx.save_for_backward(out, mu)
+        ctx.save_for_backward(out, mu, nu)
         ctx.others = others
         return out
 
     @staticmethod
     def backward(ctx: Any, dupdates: Tensor) -> tuple[Tensor, Tensor, None]:
-        updates, mu = ctx.saved_tensors
+        updates, mu, _ = ctx.saved_tensors
         b1, b2, _, eps_root, count = ctx.others
         bias1 = 1.0 - pow(b1, count)
         inv_bias2 = 1.0 / (1.0 - pow(b2, count) + eps_root)
@@ -94,9 +95,11 @@ class AdamOp:
     """One Adam step for one tensor; ``inplace`` writes into ``mu``, ``nu`` and ``updates``
     (no graph), otherwise the step is differentiable with TorchOpt's backward."""
 
-    MuOp = _MuOp
-    NuOp = _NuOp
-    UpdatesOp = _UpdatesOp
+    # (autograd names their nodes MuOpBackward, NuOpBackward, UpdatesOpBackward, as
+    # TorchOpt's: torchopt.visual draws the same graph)
+    MuOp = MuOp
+    NuOp = NuOp
+    UpdatesOp = UpdatesOp
 
     def __init__(self, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
                  eps_root: float = 0.0, inplace: bool = True) -> None:
@@ -111,8 +114,8 @@ class AdamOp:
             nu = nu.mul_(self.b2).addcmul_(updates, updates, value=1.0 - self.b2)
             updates.copy_(_step(mu, nu, self.b1, self.b2, self.eps, self.eps_root, count))
             return mu, nu, updates
-        new_mu = _MuOp.apply(updates, mu, self.b1)
-        new_nu = _NuOp.apply(updates, nu, self.b2)
-        step = _UpdatesOp.apply(new_mu, new_nu,
+        new_mu = MuOp.apply(updates, mu, self.b1)
+        new_nu = NuOp.apply(updates, nu, self.b2)
+        step = UpdatesOp.apply(new_mu, new_nu,
                                 (self.b1, self.b2, self.eps, self.eps_root, count))
         return new_mu, new_nu, step

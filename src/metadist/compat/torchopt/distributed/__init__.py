@@ -15,6 +15,7 @@ where metadist's own API (:mod:`metadist.mapreduce`) defaults to ``"spmd"``. See
 from torch import distributed as dist
 from torch.distributed import rpc as rpc
 
+from metadist.compat.torchopt._names import present_loaded
 from metadist.compat.torchopt.distributed import api as api
 from metadist.compat.torchopt.distributed import autograd as autograd
 from metadist.compat.torchopt.distributed import world as world
@@ -45,6 +46,8 @@ from metadist.compat.torchopt.distributed.world import (
     rank_non_zero_only,
     rank_zero_only,
 )
+
+present_loaded()  # TorchOpt's module paths (_names.py)
 
 
 def is_available() -> bool:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from metadist.compat.torchopt._names import present_loaded
 from metadist.compat.torchopt.nn.module import MetaGradientModule
 from metadist.compat.torchopt.nn.stateless import reparameterize, reparametrize, swap_state
+
+present_loaded()  # TorchOpt's module paths (_names.py)
 
 __all__ = ["ImplicitMetaGradientModule", "MetaGradientModule", "ZeroOrderGradientModule",
            "reparameterize", "reparametrize", "swap_state"]

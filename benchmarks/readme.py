@@ -1,11 +1,13 @@
-"""Write the README's benchmark figures from a `metadist bench` run: no figure is pasted by hand.
+"""Write the benchmark figures of docs/benchmarks.md and of the README's headline table from a
+`metadist bench` run: no figure is pasted by hand.
 
-    python -m benchmarks.readme out/bench/results.json            # rewrite README.md
-    python -m benchmarks.readme out/bench/results.json --check    # exit 1 if it would change
+    python -m benchmarks.readme out/bench/results.json            # rewrite both pages
+    python -m benchmarks.readme out/bench/results.json --check    # exit 1 if they would change
     python -m benchmarks.readme out/bench/results.json --merge out/one/results.json
                                     # one benchmark re-run on its own: its sections from there
 
-Every figure of the README's "Benchmarks" part sits between a pair of markers,
+The README holds one section (``front``: five rows, the strategies against what they
+replace); docs/benchmarks.md holds every other. Every figure sits between a pair of markers,
 
     <!-- bench: NAME -->
     ...
@@ -37,6 +39,9 @@ from benchmarks.report import ratio_rows, traffic_rows, workloads
 from benchmarks.tables import table
 
 README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "benchmarks.md"
+#: the README's sections; every other section is the benchmarks page's
+FRONT = ("front",)
 FIGURES = ROOT / "docs" / "figures"
 RESULTS_COPY = "bench-results.json"  # beside the figures: the run the README shows
 PLOTS = ("step_ratios.png", "memory_per_rank.png", "traffic.png", "ddp_step_time.png",
@@ -264,6 +269,32 @@ def section_headline(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: the README's rows: (configuration, reference), each from the largest workload run
+FRONT_ROWS = (("metadist ddp", "torch DDP"),
+              ("metadist zero1", "torch ZeRO (DDP + ZeroRedundancyOptimizer)"),
+              ("metadist zero2", "FairScale OSS + ShardedDDP"),
+              ("metadist zero3", "torch FSDP2 fully_shard"),
+              ("metadist zero3", "no-comm bound"))
+_LARGEST_FIRST = ("gpt2", "transformer", "mlp")
+
+
+def section_front(results: dict[str, Any]) -> list[str]:
+    """Five rows for the README: each strategy's step time over the implementation it
+    replaces, on the largest workload that ran both."""
+    rows = ratio_rows(results)
+    if not rows:
+        return [*_missing(results, "ddp"), *_missing(results, "zero")]
+    order = {w: i for i, w in enumerate(_LARGEST_FIRST)}
+    picked = []
+    for config, ref in FRONT_ROWS:
+        found = sorted((r for r in rows if r[1:3] == (config, ref)),
+                       key=lambda r: order.get(r[0], len(order)))
+        if found:
+            picked.append(found[0])
+    return [table(["workload", "configuration", "reference", "configuration ms / step",
+                   "reference ms / step", "time ratio configuration / reference"], picked)]
+
+
 def section_zero(results: dict[str, Any]) -> list[str]:
     lines = _tables(results, "zero")
     rows = traffic_rows(results)
@@ -312,6 +343,7 @@ def _simple(bench: str, notes: bool = False, skip_notes: tuple[str, ...] = ()
 
 # README section name -> what it shows, in README order.
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "front": section_front,
     "machine": section_machine,
     "headline": section_headline,
     "ddp": _simple("ddp"),
@@ -390,20 +422,25 @@ def merged(results: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
 
 
 def update(results_path: Path, readme: Path = README, figures: Path | None = FIGURES,
-           check: bool = False, merge: Sequence[Path] = ()) -> bool:
-    """Rewrite ``readme`` (and the figures) from ``results_path`` with the benchmarks of
-    every ``merge`` run in place of its own; True if anything changed (with ``check``,
-    nothing is written)."""
+           check: bool = False, merge: Sequence[Path] = (), page: Path = PAGE) -> bool:
+    """Rewrite ``readme`` (its :data:`FRONT` sections), ``page`` (every other) and the
+    figures from ``results_path`` with the benchmarks of every ``merge`` run in place of its
+    own; True if anything changed (with ``check``, nothing is written)."""
     results = json.loads(results_path.read_text())
     for part in merge:
         results = merged(results, json.loads(part.read_text()))
-    text = readme.read_text()
-    new = rewrite(text, sections(results))
-    changed = new != text
+    generated = sections(results)
+    targets = {readme: list(FRONT), page: [n for n in generated if n not in FRONT]}
+    changed = False
+    for path, names in targets.items():
+        text = path.read_text()
+        new = rewrite(text, {n: generated[n] for n in names}, names)
+        if new != text:
+            changed = True
+            if not check:
+                path.write_text(new)
     if check:
         return changed
-    if changed:
-        readme.write_text(new)
     if figures is not None:
         figures.mkdir(parents=True, exist_ok=True)
         for name in PLOTS:  # a merged run's plot wins over the main run's
@@ -423,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", help="results.json written by `metadist bench`")
     ap.add_argument("--readme", default=str(README), help="the README to rewrite")
+    ap.add_argument("--page", default=str(PAGE), help="the benchmarks page to rewrite")
     ap.add_argument("--figures", default=str(FIGURES),
                     help="where the README's plots and the results' copy go ('' for nowhere)")
     ap.add_argument("--check", action="store_true",
@@ -438,15 +476,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         changed = update(source, Path(args.readme), Path(args.figures) if args.figures else None,
-                         check=args.check, merge=[Path(m) for m in args.merge])
+                         check=args.check, merge=[Path(m) for m in args.merge],
+                         page=Path(args.page))
     except ReadmeError as err:
         print(f"benchmarks.readme: {err}", file=sys.stderr)
         return 2
     if args.check:
         if changed:
-            print(f"{args.readme}: its benchmark sections differ from {source}", file=sys.stderr)
+            print(f"{args.readme} or {args.page}: their benchmark sections differ from "
+                  f"{source}", file=sys.stderr)
         return 1 if changed else 0
-    print(f"{args.readme}: {'rewritten' if changed else 'already up to date'} from {source}")
+    print(f"{args.readme}, {args.page}: {'rewritten' if changed else 'already up to date'} "
+          f"from {source}")
     return 0
 
 

@@ -230,26 +230,35 @@ def _readme_with_markers(names: list[str]) -> str:
     return "\n".join(parts)
 
 
+def _targets(tmp_path: Path) -> tuple[Path, Path]:
+    """A README holding the front sections' markers and a benchmarks page holding the rest."""
+    target, page = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    target.write_text(_readme_with_markers(list(readme.FRONT)))
+    page.write_text(_readme_with_markers([n for n in readme.SECTIONS if n not in readme.FRONT]))
+    return target, page
+
+
 def test_readme_generator_rewrites_its_sections_from_results(tmp_path: Path) -> None:
     results = _full_run()
     source = tmp_path / "bench" / "results.json"
     source.parent.mkdir()
     source.write_text(json.dumps(results))
     (source.parent / "traffic.png").write_bytes(b"\x89PNG plot")
-    target = tmp_path / "README.md"
-    target.write_text(_readme_with_markers(list(readme.SECTIONS)))
+    target, page = _targets(tmp_path)
     figures = tmp_path / "figures"
-    argv = [str(source), "--readme", str(target), "--figures", str(figures)]
+    argv = [str(source), "--readme", str(target), "--page", str(page), "--figures", str(figures)]
 
     assert readme.main([*argv, "--check"]) == 1  # stale: it would change
     assert readme.main(argv) == 0
-    text = target.read_text()
+    text = target.read_text() + page.read_text()
     got = readme.current(text)
+    assert set(readme.current(target.read_text())) == set(readme.FRONT)  # the README's
     assert got == readme.sections(results)  # every section is exactly the generator's
     assert readme.main([*argv, "--check"]) == 0  # and a second run changes nothing
     assert "| stale |" not in text
     assert text.count("prose before") == text.count("prose after") == len(readme.SECTIONS)
     assert text.startswith("# project\n\nHand-written text stays.\n")
+    assert "| mlp | metadist ddp | torch DDP | 240 | 250 | 0.96 |" in got["front"]
 
     assert ("| mlp | metadist ddp | torch DDP | 240 | 250 | 0.96 |" in got["headline"]
             and "time ratio configuration / reference" in got["headline"])
@@ -286,11 +295,10 @@ def test_readme_generator_merges_a_benchmark_run_of_its_own(tmp_path: Path) -> N
         path.write_text(json.dumps(data))
     (main.parent / "traffic.png").write_bytes(b"\x89PNG main")
     (other.parent / "traffic.png").write_bytes(b"\x89PNG other")
-    target, figures = tmp_path / "README.md", tmp_path / "figures"
-    target.write_text(_readme_with_markers(list(readme.SECTIONS)))
-    assert readme.main([str(main), "--readme", str(target), "--figures", str(figures),
-                        "--merge", str(other)]) == 0
-    got = readme.current(target.read_text())
+    (target, page), figures = _targets(tmp_path), tmp_path / "figures"
+    assert readme.main([str(main), "--readme", str(target), "--page", str(page), "--figures",
+                        str(figures), "--merge", str(other)]) == 0
+    got = readme.current(target.read_text() + page.read_text())
     assert ("measured in a separate run (`metadist bench --only ddp`, 2026-12-01, commit "
             "fedcba987654)") in got["ddp"] and "| 123 |" in got["ddp"]
     assert "separate run" not in got["zero"]  # the main run's
@@ -323,11 +331,13 @@ def test_readme_benchmark_sections_are_the_committed_runs() -> None:
     """The README's figures are what benchmarks/readme.py makes of the run committed beside
     its plots (docs/figures/bench-results.json): none is edited by hand."""
     results = json.loads((readme.FIGURES / readme.RESULTS_COPY).read_text())
-    text = readme.README.read_text()
+    text = readme.README.read_text() + readme.PAGE.read_text()
     want = readme.sections(results)
     assert readme.current(text) == want, (
-        "README.md's benchmark sections differ from docs/figures/bench-results.json: rerun "
-        "`python -m benchmarks.readme out/bench/results.json` after `make bench`")
+        "the benchmark sections of README.md and docs/benchmarks.md differ from "
+        "docs/figures/bench-results.json: rerun `python -m benchmarks.readme "
+        "out/bench/results.json` after `make bench`")
+    assert set(readme.current(readme.README.read_text())) == set(readme.FRONT)
     for name in readme.PLOTS:
-        if f"docs/figures/{name}" in text:
+        if f"figures/{name}" in text:
             assert (readme.FIGURES / name).is_file(), name

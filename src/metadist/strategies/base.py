@@ -328,6 +328,29 @@ class Strategy(ABC):
                                  on_batch=self.set_batch_weight,
                                  dataset_shards_itself=dataset_shards_itself)
 
+    def split_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's contiguous slice of each tensor (one global batch along dimension 0),
+        with the next gradient sync weighted by the slice's share of the batch: a mean loss
+        over the slice then gives one process's mean over the whole batch, also where the
+        batch does not divide by the ranks (6 samples on 4 ranks: 2, 2, 1, 1)."""
+        w = self.world
+        lengths = {t.shape[0] if t.dim() else None for t in tensors}
+        if not tensors or None in lengths or len(lengths) != 1:
+            raise ValueError(
+                "split_batch(*tensors) takes the tensors of one global batch, each with the "
+                "samples along dimension 0 and as many of them; got lengths "
+                f"{sorted(map(str, lengths))}")
+        total = int(lengths.pop())  # type: ignore[arg-type]
+        if total < w.world_size:
+            raise ValueError(
+                f"split_batch: a global batch of {total} sample(s) on {w.world_size} ranks "
+                "leaves a rank without samples: give every rank at least one (a global batch "
+                "of at least world_size), or read batches through setup_dataloader, whose "
+                "empty ranks read a stand-in sample of weight 0")
+        mine = tuple(torch.tensor_split(t, w.world_size)[w.rank] for t in tensors)
+        self.set_batch_weight(mine[0].shape[0], total)
+        return mine
+
     # ----- the step ----------------------------------------------------------------------
     def set_batch_weight(self, local: float, total: float) -> None:
         """Weight the next gradient sync by this rank's share of the global batch.

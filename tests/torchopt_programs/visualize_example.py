@@ -47,13 +47,28 @@ def draw(accelerated: bool, show: bool, dim: int = 5, batch_size: int = 2) -> ob
 
 
 def normalized(source: str) -> list[str]:
-    """The DOT lines with every node id replaced by its order of first appearance."""
+    """The DOT lines with every node id replaced by its order of first appearance.
+
+    A tensor an autograd function of the program's own (the fused Adam's) saved is drawn as
+    an edge and an orange node where it is reached; its id is the address of an object made
+    for the drawing, which Python may hand to the next such object, so each of those
+    drawings gets an id of its own (in both implementations' drawings alike)."""
+    lines = [line.strip() for line in source.splitlines()]
+    for i in range(len(lines) - 1):
+        edge = re.fullmatch(r"(\d{6,}) -> (\d{6,})", lines[i])
+        if not (edge and lines[i + 1].startswith(f"{edge.group(1)} [")):
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].endswith("]"))
+        if "fillcolor=orange" in lines[end]:  # the node statement may span lines
+            fresh = str(10**12 + i)
+            lines[i] = lines[i].replace(edge.group(1), fresh, 1)
+            lines[i + 1] = lines[i + 1].replace(edge.group(1), fresh, 1)
     ids: dict[str, str] = {}
 
     def rename(m: re.Match[str]) -> str:
         return ids.setdefault(m.group(0), f"n{len(ids)}")
 
-    return [re.sub(r"\b\d{6,}\b", rename, line).strip() for line in source.splitlines()]
+    return [re.sub(r"\b\d{6,}\b", rename, line) for line in lines]
 
 
 def main() -> None:

@@ -76,20 +76,7 @@ class Engine:
                 raise ValueError(f"problem name {p.name!r} is used twice or is an Engine "
                                  "attribute; give each problem its own name")
             self.problems[p.name] = p
-        self.u2l, self.l2u = self._parse(dependencies or {})
-        # the lowers an upper waits for: those that list it in l2u
-        self._waits = {n: [m for m in self.problems if n in self.l2u[m]] for n in self.problems}
-        self._check_graph()
-        self.leaves = [p for n, p in self.problems.items() if not self._waits[n]]
-        #: For each problem, its hypergradient paths: [upper, a1, ..., lower, upper] for each
-        #: u2l lower and each l2u route from it up to upper (upper's loss depends on a1,
-        #: a1's response on a2, ..., the lower's on upper).
-        self.paths = {n: [p for lower in self.u2l[n] for p in self._routes(lower, n)]
-                      for n in self.problems}
-        self._replays = {n for n, p in self.problems.items()
-                         if hypergradient_method(p.config.method).replays_steps
-                         and any(n in path[1:-1] for paths in self.paths.values()
-                                 for path in paths)}
+        self._build_graph(dependencies)
         self.world = init()
         self.global_step = 0
         self.validating = False
@@ -126,6 +113,30 @@ class Engine:
         return problems[name]
 
     # ----- the graph -------------------------------------------------------------------
+    def set_dependencies(self, dependencies: Dependencies) -> None:
+        """Replace the dependency graph between iterations (the problems and their setups
+        stay): who steps after whom and which paths each hypergradient takes from now on.
+        An upper's record of which lowers completed their window starts afresh."""
+        self._build_graph(dependencies)
+        for p in self.problems.values():
+            p._ready.clear()
+
+    def _build_graph(self, dependencies: Dependencies | None) -> None:
+        self.u2l, self.l2u = self._parse(dependencies or {})
+        # the lowers an upper waits for: those that list it in l2u
+        self._waits = {n: [m for m in self.problems if n in self.l2u[m]] for n in self.problems}
+        self._check_graph()
+        self.leaves = [p for n, p in self.problems.items() if not self._waits[n]]
+        #: For each problem, its hypergradient paths: [upper, a1, ..., lower, upper] for each
+        #: u2l lower and each l2u route from it up to upper (upper's loss depends on a1,
+        #: a1's response on a2, ..., the lower's on upper).
+        self.paths = {n: [p for lower in self.u2l[n] for p in self._routes(lower, n)]
+                      for n in self.problems}
+        self._replays = {n for n, p in self.problems.items()
+                         if hypergradient_method(p.config.method).replays_steps
+                         and any(n in path[1:-1] for paths in self.paths.values()
+                                 for path in paths)}
+
     def _name(self, item: Problem | str, where: str) -> str:
         name = item.name if isinstance(item, Problem) else item
         if name not in self.problems:

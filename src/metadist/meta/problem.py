@@ -16,6 +16,7 @@ problem's strategy, and ``batch`` the batch of the current step.
 
 from __future__ import annotations
 
+import copy
 import keyword
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
@@ -178,20 +179,45 @@ class Problem(ABC):
             raise RuntimeError(f"strategy {strategy.name!r} replaced problem {self.name!r}'s "
                                "optimizer object; its LR scheduler would be left behind")
         self._module = module
+        self._read_module()
+        if isinstance(self.train_data_loader, DataLoader):
+            # Other iterables are read as they are: sharding them is up to the user.
+            self.train_data_loader = strategy.setup_dataloader(self.train_data_loader,
+                                                               seed=seed)
+
+    def _read_module(self) -> None:
+        """What the engine reads of the set-up module, fixed for the life of its setup."""
+        module = self._module
+        assert isinstance(module, DistributedModule)
         # Replicated strategies (single, ddp, zero1, zero2) keep whole leaf parameters in the
         # module: those run on explicit tensors bound into the user's module (run_with);
         # sharded ones use functional_forward, which places full parameters over the shards.
-        self._placement = module.placements()  # where its tensors live, for the setup's life
+        self._placement = module.placements()  # where its tensors live
         self.replicated = self._placement.in_module and all(
             t.is_leaf for t in module.full_parameters().values())
         self._names = frozenset(n for n, _ in trainable_slots(module.module))
         # the same leaf tensors for the life of the setup (inside bound() the module holds
         # others)
         self._trainable = [t for t in module.graph_leaves() if t.requires_grad]
-        if isinstance(self.train_data_loader, DataLoader):
-            # Other iterables are read as they are: sharding them is up to the user.
-            self.train_data_loader = strategy.setup_dataloader(self.train_data_loader,
-                                                               seed=seed)
+
+    def replace(self, module: nn.Module | None = None,
+                optimizer: Optimizer | None = None) -> None:
+        """Set a new ``module`` and/or ``optimizer`` up under this problem's strategy in the
+        middle of training. A new module starts from rank 0's weights, laid out as the
+        strategy lays out any model; the optimizer goes on stepping what it was built over
+        until it is replaced too. A new optimizer is built over this problem's parameters as
+        they are now (``problem.module.parameters()``, after setup)."""
+        strategy = self.strategy
+        if strategy is None:
+            raise RuntimeError(f"problem {self.name!r} is not set up by an engine yet: give "
+                               "the module and optimizer to its constructor")
+        if module is not None:
+            if self._replica is not None:  # rank 0's copy for validation follows
+                self._replica = copy.deepcopy(module).to(strategy.device)
+            self._module = strategy.setup_module(module)
+            self._read_module()
+        if optimizer is not None:
+            self.optimizer = strategy.setup_optimizer(self.wrapped, optimizer)
 
     def next_batch(self) -> Any:
         """The next batch of this rank's share (a new epoch starts when one runs out), moved

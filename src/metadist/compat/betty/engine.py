@@ -187,6 +187,18 @@ class Engine(NativeEngine):
             if p.leaf:
                 self.leaves_list.append(p)
 
+    def set_dependency(self, dependencies: Mapping[str, Any]) -> None:
+        """Betty's: replace the dependency graph between iterations. Every problem's uppers,
+        lowers and paths, and the leaves, are parsed afresh (what each has marked ready is
+        kept, as Betty keeps it)."""
+        self.dependencies = dependencies
+        for p in self.problems_list:
+            p.leaf = False
+            p.clear_dependencies()
+        self._build_graph(dependencies)  # the schedule and paths the steps follow
+        self._link(self.problems_list)  # Betty's own view of them
+        self._check_methods(self.problems_list)
+
     def _check_methods(self, problems: list[Problem]) -> None:
         for p in problems:
             for name, what in _NOT_CALLED.items():

@@ -232,6 +232,47 @@ class Problem(NativeProblem):
         """Forget this problem's uppers, lowers and paths (Betty's)."""
         self._children, self._parents, self._paths = [], [], []
 
+    # ----- Betty's setters -----------------------------------------------------------------
+    def set_module(self, module: nn.Module) -> None:
+        """Betty's: the problem runs ``module`` from now on, set up under the engine's
+        strategy; its optimizer goes on stepping what it was built over until
+        :meth:`set_optimizer` (as Betty's)."""
+        if "_module" not in self.__dict__:
+            self._user_module = module
+            return
+        self.replace(module=module)
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Betty's: ``type(optimizer)`` with its defaults over the problem's parameters as
+        they are now (its ``param_groups()`` where defined), set up under the strategy."""
+        if "_module" not in self.__dict__:
+            self._optimizer_given = optimizer
+            return
+        self.replace(optimizer=_betty_optimizer(self, optimizer, self.module))
+
+    def set_scheduler(self, scheduler: Any) -> None:
+        """Betty's: ``scheduler`` steps after this problem's optimizer from now on (rebuilt
+        over that optimizer where it was built over another, as Betty does)."""
+        if "_module" not in self.__dict__:
+            self._scheduler_given = scheduler
+            return
+        if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            scheduler = _betty_scheduler(self, scheduler, self.optimizer)
+        self.scheduler = scheduler
+
+    def set_train_data_loader(self, loader: Any, idx: int = 0) -> None:
+        """Betty's: loader ``idx`` is ``loader`` (each rank reading its share of every
+        batch); the epoch under way finishes on the old one, as Betty's iterator does."""
+        if "_module" not in self.__dict__:  # before the engine: what initialize() sets up
+            given = self._loader_given
+            loaders = list(given) if isinstance(given, tuple) else [given]
+            loaders[idx] = loader
+            self._loader_given = tuple(loaders) if len(loaders) > 1 else loaders[0]
+            return
+        assert self.strategy is not None
+        self._loaders[idx] = (self.strategy.setup_dataloader(loader, seed=None)
+                              if isinstance(loader, DataLoader) else loader)
+
     def add_logger(self, logger: Any) -> None:
         if self.logger is None:
             self.logger = logger

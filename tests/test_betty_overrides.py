@@ -17,10 +17,13 @@ import pytest
 import torch
 
 import peers
-
-# float64, the same operations in another order: as tests/test_betty_examples.py (1e-10
-# against Betty in one process, 1e-9 between ranks and one process).
-RTOL_BETTY, RTOL_RANKS, ATOL = 1e-10, 1e-9, 1e-12
+from betty_programs.compare import (
+    ATOL,
+    RTOL_BETTY,
+    RTOL_RANKS,
+    assert_states_close,
+    two_rank_pool,
+)
 
 
 def _one_process() -> dict[str, Any]:
@@ -47,18 +50,7 @@ def one_process() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[peers.Reopening]:
-    pool = peers.Reopening(2, 240.0)
-    try:
-        yield pool
-    finally:
-        pool.close()
-
-
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float) -> None:
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=rtol, atol=ATOL,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    yield from two_rank_pool()
 
 
 def test_overridden_steps_run_as_on_betty(one_process: dict[str, Any]) -> None:
@@ -67,7 +59,7 @@ def test_overridden_steps_run_as_on_betty(one_process: dict[str, Any]) -> None:
     assert len(ours["descents"]) == len(betty["descents"]) == 8
     torch.testing.assert_close(torch.tensor(ours["descents"]), torch.tensor(betty["descents"]),
                                rtol=RTOL_BETTY, atol=ATOL)
-    _close(ours["final"], betty["final"], RTOL_BETTY)
+    assert_states_close(ours["final"], betty["final"], RTOL_BETTY)
     # the override matters: without it the child ends elsewhere
     moved = (plain["final"]["inner.w"] - ours["final"]["inner.w"]).abs().max()
     assert moved > 1e-3, float(moved)
@@ -78,7 +70,7 @@ def test_overridden_steps_on_two_ranks_equal_one_process(
         one_process: dict[str, Any], two_ranks: peers.Reopening, strategy: str) -> None:
     for out in two_ranks.run(_on_ranks, strategy):
         assert out["counts"] == one_process["compat"]["counts"]
-        _close(out["final"], one_process["compat"]["final"], RTOL_RANKS)
+        assert_states_close(out["final"], one_process["compat"]["final"], RTOL_RANKS)
 
 
 def _refused(method: str) -> str:

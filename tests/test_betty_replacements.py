@@ -17,9 +17,12 @@ import pytest
 import torch
 
 import peers
-
-# float64, the same operations in another order: as tests/test_betty_examples.py
-RTOL_BETTY, RTOL_RANKS, ATOL = 1e-10, 1e-9, 1e-12
+from betty_programs.compare import (
+    RTOL_BETTY,
+    RTOL_RANKS,
+    assert_states_close,
+    two_rank_pool,
+)
 
 
 def _one_process() -> dict[str, Any]:
@@ -46,18 +49,7 @@ def one_process() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> Iterator[peers.Reopening]:
-    pool = peers.Reopening(2, 240.0)
-    try:
-        yield pool
-    finally:
-        pool.close()
-
-
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float) -> None:
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=rtol, atol=ATOL,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    yield from two_rank_pool()
 
 
 def test_a_program_that_changes_itself_runs_as_on_betty(one_process: dict[str, Any]) -> None:
@@ -68,7 +60,7 @@ def test_a_program_that_changes_itself_runs_as_on_betty(one_process: dict[str, A
         "inner2": (["outer"], [], 0, True)}
     assert ours["learning_rates"] == betty["learning_rates"]
     assert betty["learning_rates"]["inner1"] == [0.02]  # the new optimizer steps
-    _close(ours["final"], betty["final"], RTOL_BETTY)
+    assert_states_close(ours["final"], betty["final"], RTOL_BETTY)
     # the change matters: inner2 runs its fresh module from 0.1, the upper follows inner2
     assert float((ours["final"]["inner2.w"] - 0.1).abs().max()) > 1e-3
 
@@ -80,7 +72,7 @@ def test_the_same_program_on_two_ranks_equals_one_process(
     for out in two_ranks.run(_on_ranks, strategy):
         assert out["counts"] == want["counts"] and out["graph"] == want["graph"]
         assert out["learning_rates"] == want["learning_rates"]
-        _close(out["final"], want["final"], RTOL_RANKS)
+        assert_states_close(out["final"], want["final"], RTOL_RANKS)
 
 
 def _loaders(impl: str) -> list[float]:

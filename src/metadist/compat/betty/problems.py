@@ -10,7 +10,6 @@ callbacks, which :class:`~metadist.compat.betty.engine.Engine` calls where Betty
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from metadist.checkpoint.capture import module_placement
 from metadist.compat.betty.configs import Config
+from metadist.compat.betty.rebuild import betty_optimizer, betty_scheduler
 from metadist.errors import CollectiveAloneError
 from metadist.meta.config import ProblemConfig
 from metadist.meta.problem import Problem as NativeProblem
@@ -30,55 +30,6 @@ from metadist.strategies.tensors.elsewhere import held_grad
 
 if TYPE_CHECKING:
     from metadist.meta.engine import Engine as NativeEngine
-
-
-def _betty_optimizer(problem: Problem, optimizer: Optimizer, module: nn.Module) -> Optimizer:
-    """Betty steps ``type(optimizer)(params, **optimizer.defaults)`` with params its
-    ``param_groups()`` hook or all of the module's parameters. The user's object is kept
-    when it already is exactly that; otherwise it is rebuilt (and its scheduler with it,
-    :func:`_betty_scheduler`), as Betty does."""
-    hook = getattr(problem, "param_groups", None)
-    groups = list(hook()) if callable(hook) else [{"params": list(module.parameters())}]
-    groups = [g if isinstance(g, dict) else {"params": [g]} for g in groups]
-    wanted = [{**optimizer.defaults, **g, "params": list(g["params"])} for g in groups]
-    have = [{k: v for k, v in g.items() if k in wanted[0]} for g in optimizer.param_groups]
-    same = len(have) == len(wanted) and all(
-        [id(p) for p in h["params"]] == [id(p) for p in w["params"]]
-        and all(h.get(k) == v for k, v in w.items() if k != "params")
-        for h, w in zip(have, wanted, strict=True))
-    if same:
-        return optimizer
-    # Only what the constructor takes (torch's AdamW keeps "decoupled_weight_decay" in its
-    # defaults but does not accept it: Betty 0.2.1 fails there).
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items()
-                                      if k in accepted})
-
-
-def _betty_scheduler(problem: Problem, scheduler: Any, optimizer: Optimizer) -> Any:
-    """Betty's rebuild of a scheduler on the rebuilt optimizer: its constructor called with
-    the arguments read back from the scheduler's attributes, ``last_epoch`` one less (the
-    constructor steps once), LambdaLR's functions from ``lr_lambdas``."""
-    kwargs: dict[str, Any] = {}
-    for name, param in inspect.signature(type(scheduler).__init__).parameters.items():
-        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if name == "optimizer":
-            kwargs[name] = optimizer
-        elif name == "last_epoch":
-            kwargs[name] = scheduler.last_epoch - 1
-        elif name == "lr_lambda":
-            kwargs[name] = scheduler.lr_lambdas
-        elif hasattr(scheduler, name):
-            kwargs[name] = getattr(scheduler, name)
-        elif param.default is param.empty:
-            raise ValueError(
-                f"problem {problem._betty_name!r}: Betty rebuilds the optimizer from its "
-                "defaults (over param_groups() or the module's parameters) and the scheduler "
-                f"from its attributes, but {type(scheduler).__name__} keeps no attribute "
-                f"{name!r} to rebuild it with; build the optimizer with its settings as "
-                "defaults over the parameters Betty steps, so that nothing is rebuilt")
-    return type(scheduler)(**kwargs)
 
 
 class Problem(NativeProblem):
@@ -142,9 +93,9 @@ class Problem(NativeProblem):
         scheduler = self._scheduler_given
         if scheduler is None and self.is_implemented("configure_scheduler"):
             scheduler = self.configure_scheduler()
-        rebuilt = _betty_optimizer(self, optimizer, module)
+        rebuilt = betty_optimizer(self, optimizer, module)
         if rebuilt is not optimizer and scheduler is not None:
-            scheduler = _betty_scheduler(self, scheduler, rebuilt)
+            scheduler = betty_scheduler(self, scheduler, rebuilt)
         optimizer = rebuilt
         NativeProblem.__init__(self, self._betty_name, module, optimizer, scheduler, None,
                                cast(ProblemConfig, self._betty_config))
@@ -248,7 +199,7 @@ class Problem(NativeProblem):
         if "_module" not in self.__dict__:
             self._optimizer_given = optimizer
             return
-        self.replace(optimizer=_betty_optimizer(self, optimizer, self.module))
+        self.replace(optimizer=betty_optimizer(self, optimizer, self.module))
 
     def set_scheduler(self, scheduler: Any) -> None:
         """Betty's: ``scheduler`` steps after this problem's optimizer from now on (rebuilt
@@ -257,7 +208,7 @@ class Problem(NativeProblem):
             self._scheduler_given = scheduler
             return
         if getattr(scheduler, "optimizer", self.optimizer) is not self.optimizer:
-            scheduler = _betty_scheduler(self, scheduler, self.optimizer)
+            scheduler = betty_scheduler(self, scheduler, self.optimizer)
         self.scheduler = scheduler
 
     def set_train_data_loader(self, loader: Any, idx: int = 0) -> None:

@@ -95,6 +95,15 @@ def _moment(updates: Any, moments: Any, decay: float, order: int, inplace: bool,
                               already_flattened=flat)
 
 
+def _adam_init(moment_requires_grad: bool, tree_map: Any) -> Any:
+    """Adam's state for ``params``: zero moments and a zero count per tensor."""
+    def init(params: Any) -> ScaleByAdamState:
+        zeros = _zeros(moment_requires_grad)
+        return ScaleByAdamState(tree_map(zeros, params), tree_map(zeros, params),
+                                tree_map(_zero_count, params))
+    return init
+
+
 def _scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                    eps_root: float = 0.0, moment_requires_grad: bool = False, *,
                    already_flattened: bool = False) -> GradientTransformation:
@@ -102,10 +111,7 @@ def _scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     _check(eps, "beta", b1, b2)
     tree_map = _tree.mappers(already_flattened)[0]
 
-    def init(params: Any) -> ScaleByAdamState:
-        zeros = _zeros(moment_requires_grad)
-        return ScaleByAdamState(tree_map(zeros, params), tree_map(zeros, params),
-                                tree_map(_zero_count, params))
+    init = _adam_init(moment_requires_grad, tree_map)
 
     def update(updates: Any, state: Any, *, params: Any = None, inplace: bool = True
                ) -> tuple[Any, Any]:
@@ -132,10 +138,7 @@ def _scale_by_accelerated_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 
     _check(eps, "beta", b1, b2)
     tree_map = _tree.mappers(already_flattened)[0]
 
-    def init(params: Any) -> ScaleByAdamState:
-        zeros = _zeros(moment_requires_grad)
-        return ScaleByAdamState(tree_map(zeros, params), tree_map(zeros, params),
-                                tree_map(_zero_count, params))
+    init = _adam_init(moment_requires_grad, tree_map)
 
     def update(updates: Any, state: Any, *, params: Any = None, inplace: bool = True
                ) -> tuple[Any, Any]:

@@ -1,15 +1,17 @@
-"""Four of Betty 0.2.1's own example programs, ported (tests/betty_programs/nas.py, lbi.py,
-logreg_hpo.py, bert_reweight.py; each module's docstring says what was kept and what was
-shrunk), run on Betty 0.2.1 itself and on metadist.compat.betty with only the imports
-changed.
+"""Betty 0.2.1's own example programs, ported (tests/betty_programs/nas.py, lbi.py,
+logreg_hpo.py, bert_reweight.py, pruning.py, sanas.py, tutorials.py; each module's docstring
+says what was kept and what was shrunk), run on Betty 0.2.1 itself and on
+metadist.compat.betty with only the imports changed. A case is a port with its keyword
+arguments (a tutorial, a hypergradient method, the upper problem on plain SGD: Adam would
+normalise a wrong hypergradient scale away).
 
 (a) One process each, float64: compat computes Betty's numbers, from the initial weights
     (built by the programs' own configure_module hooks and constructors, drawing from the
     global generator in the order Betty draws) through every problem's final parameters,
     the BatchNorm running statistics, the logged losses, the step counts and the learning
     rates.
-(b) compat on 2 ranks ("distributed", "zero"; BatchNorm synchronised where the models have
-    it) computes what compat computes in one process, every rank holding bit-identical
+(b) compat on 2 ranks ("distributed", "zero", "fsdp"; BatchNorm synchronised where the models
+    have it) computes what compat computes in one process, every rank holding bit-identical
     parameters and buffers.
 
 Betty runs only in processes of this module's own pools (tests/peers.py): a one-process pool
@@ -30,7 +32,26 @@ import torch
 
 import peers
 
-PORTS = ("nas", "lbi", "logreg_hpo", "bert_reweight")
+# case -> (port, keyword arguments of its run)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "nas": ("nas", {}),
+    "lbi": ("lbi", {}),
+    "logreg_hpo": ("logreg_hpo", {}),
+    **{f"logreg_hpo-{m}-sgd": ("logreg_hpo", {"method": m, "momentum": 0.0})
+       for m in ("cg", "darts", "neumann", "sama")},
+    "bert_reweight": ("bert_reweight", {}),
+    "tutorial1": ("tutorials", {"tutorial": 1}),
+    "tutorial1-baseline": ("tutorials", {"tutorial": 1, "baseline": True}),
+    "tutorial2-sgd": ("tutorials", {"tutorial": 2, "upper_sgd": True}),
+    "tutorial3": ("tutorials", {"tutorial": 3}),
+    "tutorial4": ("tutorials", {"tutorial": 4}),
+    "tutorial5": ("tutorials", {"tutorial": 5}),
+}
+STRATEGIES = ("distributed", "zero", "fsdp")
+# (b)'s cases: every port under every strategy, once on Adam and once on plain SGD where it
+# has both (the other one-process cases differ from these only in what (a) checks)
+ON_RANKS = ("nas", "lbi", "logreg_hpo", "logreg_hpo-sama-sgd", "bert_reweight",
+            "tutorial2-sgd", "tutorial5")
 JOB_TIMEOUT = 240.0
 
 # (a) Betty vs compat, both float64 in one process. One rounding is 1.1e-16 relative; the
@@ -56,8 +77,23 @@ RTOL_BETTY, ATOL_BETTY = 1e-10, 1e-12
 RTOL_RANKS, ATOL_RANKS = 1e-9, 1e-12
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
-# What each port must have exercised on Betty, lest a shrunk port compare nothing: the upper
+# What each case must have exercised on Betty, lest a shrunk port compare nothing: the upper
 # problem stepped (at least 3 times), and the port's particular path ran.
+def _tutorial(r: dict[str, Any], tutorial: int) -> bool:
+    """12 steps of both problems, the MultiStepLR past both milestones, and what the
+    tutorial adds: its own scoring (1), 3 validations (2..5), logged dict results (3..5)."""
+    return (r["counts"] == {"reweight": 12, "classifier": 12}
+            and r["lr"]["classifier"] == pytest.approx([(0.01 if tutorial >= 4 else 0.1) * 0.01])
+            and (len(r["validations"]) == 3) == (tutorial >= 2)
+            and bool(r["losses"]) == (tutorial >= 3) and ("accuracy" in r) == (tutorial == 1))
+
+
+def _moved(r: dict[str, Any], problem: str) -> float:
+    """How far the upper problem's parameters moved (a plain-SGD upper must move)."""
+    return max(float((r["final"][k] - r["initial"][k]).abs().max())
+               for k in r["final"] if k.startswith(problem + "."))
+
+
 EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
     # 4 searches, each rolled back; validation (eval mode) twice
     "nas": lambda r: r["counts"] == {"arch": 4, "classifier": 4} and len(r["validations"]) == 2,
@@ -66,45 +102,54 @@ EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
     and all(lrs == pytest.approx([1e-6, 1e-5]) for lrs in r["lr"].values()),
     # 16 cg hypergradients; param_callback's clamp raised entries to the floor
     "logreg_hpo": lambda r: r["counts"] == {"outer": 16, "inner": 80} and any(r["clamped"]),
+    **{f"logreg_hpo-{m}-sgd": lambda r: r["counts"] == {"outer": 16, "inner": 80}
+       and _moved(r, "outer") > 0.1 for m in ("cg", "darts", "neumann", "sama")},
     # 4 reweightings over windows of 2; the warmup-then-linear schedule ran out
     "bert_reweight": lambda r: r["counts"] == {"reweight": 4, "finetune": 8}
     and r["lr"]["finetune"] == [0.0],
+    "tutorial1": lambda r: _tutorial(r, 1),
+    "tutorial1-baseline": lambda r: r["counts"] == {"classifier": 12} and "accuracy" in r,
+    "tutorial2-sgd": lambda r: _tutorial(r, 2) and _moved(r, "reweight") > 0.1,
+    "tutorial3": lambda r: _tutorial(r, 3),
+    "tutorial4": lambda r: _tutorial(r, 4),
+    "tutorial5": lambda r: _tutorial(r, 5),
 }
 
 
 # ----- the jobs (module level: they run in the pools' processes) --------------------------------
 
-def _attempt(port: str, impl: str, strategy: str) -> dict[str, Any]:
-    """The port's result, or {"error": traceback} (a failure must not close the pool, and
+def _attempt(case: str, impl: str, strategy: str) -> dict[str, Any]:
+    """The case's result, or {"error": traceback} (a failure must not close the pool, and
     the other implementation's result is still wanted)."""
+    port, kwargs = CASES[case]
     try:
-        return importlib.import_module(f"betty_programs.{port}").run(impl, strategy)
+        return importlib.import_module(f"betty_programs.{port}").run(impl, strategy, **kwargs)
     except Exception:
         return {"error": f"{impl} ({strategy}) raised:\n{traceback.format_exc()}"}
 
 
-def _both_in_one_process(port: str) -> dict[str, dict[str, Any]]:
+def _both_in_one_process(case: str) -> dict[str, dict[str, Any]]:
     peers.use()
     peers.quiet_betty()
-    return {impl: _attempt(port, impl, "default") for impl in ("betty", "compat")}
+    return {impl: _attempt(case, impl, "default") for impl in ("betty", "compat")}
 
 
-def _compat_on_ranks(port: str, strategy: str) -> dict[str, Any]:
+def _compat_on_ranks(case: str, strategy: str) -> dict[str, Any]:
     peers.use()  # the ports import only the compat layer here; the path is harmless
-    return _attempt(port, "compat", strategy)
+    return _attempt(case, "compat", strategy)
 
 
 # ----- pools and comparisons ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def one_process() -> Iterator[Callable[[str], dict[str, dict[str, Any]]]]:
-    """port -> {"betty": result, "compat": result}, each port run once per module."""
+    """case -> {"betty": result, "compat": result}, each case run once per module."""
     pool, done = peers.Reopening(1, JOB_TIMEOUT), {}
 
-    def get(port: str) -> dict[str, dict[str, Any]]:
-        if port not in done:
-            done[port] = pool.run(_both_in_one_process, port)[0]
-        return done[port]
+    def get(case: str) -> dict[str, dict[str, Any]]:
+        if case not in done:
+            done[case] = pool.run(_both_in_one_process, case)[0]
+        return done[case]
 
     try:
         yield get
@@ -207,7 +252,7 @@ def _compare_lr(got: dict[str, list[float]], want: dict[str, list[float]]) -> li
 
 # ----- (a) Betty 0.2.1 vs compat, one process ------------------------------------------------
 
-@pytest.mark.parametrize("port", PORTS)
+@pytest.mark.parametrize("port", CASES)
 def test_port_equals_betty(one_process: Callable[[str], dict[str, dict[str, Any]]],
                            port: str) -> None:
     """The port on compat computes what it computes on Betty 0.2.1, to float64 rounding:
@@ -231,11 +276,9 @@ def test_port_equals_betty(one_process: Callable[[str], dict[str, dict[str, Any]
 
 # ----- (b) compat on 2 ranks vs compat in one process ----------------------------------------
 
-# nas under "fsdp": its roll_back caches and restores sharded state (before: refused in the
-# drop-in's own cache_states, a deep copy of the shards)
-@pytest.mark.parametrize(("port", "strategy"),
-                         [(p, s) for p in PORTS for s in ("distributed", "zero")]
-                         + [("nas", "fsdp")])
+# nas and sanas under "fsdp": roll_back caches and restores sharded state (before: refused
+# in the drop-in's own cache_states, a deep copy of the shards)
+@pytest.mark.parametrize(("port", "strategy"), [(c, s) for c in ON_RANKS for s in STRATEGIES])
 def test_port_on_two_ranks_equals_one_process(
         one_process: Callable[[str], dict[str, dict[str, Any]]], two_ranks: peers.Reopening,
         port: str, strategy: str) -> None:

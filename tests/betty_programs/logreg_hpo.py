@@ -69,10 +69,23 @@ class ParentNet(torch.nn.Module):
         return self.w
 
 
+# The child's Config per hypergradient method: the original's cg, and the other methods its
+# README reports reaching the same result (their iteration counts and step sizes as cg's).
+METHODS: dict[str, dict[str, Any]] = {
+    "cg": {"type": "cg", "cg_iterations": 3, "cg_alpha": 1},
+    "neumann": {"type": "neumann", "neumann_iterations": 3, "neumann_alpha": 1},
+    "darts": {"type": "darts"},
+    "sama": {"type": "sama"},
+}
+
+
 def run(impl: str, strategy: str = "default", train_iters: int = 80,
-        unroll_steps: int = 5) -> dict[str, Any]:
+        unroll_steps: int = 5, method: str = "cg", momentum: float = 0.9) -> dict[str, Any]:
     """Tune for ``train_iters`` iterations; both problems' initial and final parameters, the
-    parent's logged losses (rank 0), and what its param_callback saw."""
+    parent's logged losses (rank 0), and what its param_callback saw. ``method``: the
+    child's hypergradient (:data:`METHODS`); ``momentum=0`` puts the parent on plain SGD,
+    where a wrong hypergradient scale shows in its parameters (momentum 0.9 only smooths it,
+    Adam would normalise it away)."""
     b = api(impl)
     losses: list[tuple[str, int, float]] = []
     clamped: list[int] = []  # how many entries each param_callback raised to the floor
@@ -92,7 +105,7 @@ def run(impl: str, strategy: str = "default", train_iters: int = 80,
             return ParentNet()
 
         def configure_optimizer(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.module.parameters(), lr=1, momentum=0.9)
+            return torch.optim.SGD(self.module.parameters(), lr=1, momentum=momentum)
 
         def param_callback(self) -> None:
             for p in self.trainable_parameters():
@@ -124,7 +137,7 @@ def run(impl: str, strategy: str = "default", train_iters: int = 80,
     config = engine_config(b, impl, strategy, batchnorm=False, train_iters=train_iters,
                            logger_type="none")
     parent_config = b.Config(log_step=1, first_order=True, retain_graph=True)
-    child_config = b.Config(type="cg", cg_iterations=3, cg_alpha=1, unroll_steps=unroll_steps)
+    child_config = b.Config(**METHODS[method], unroll_steps=unroll_steps)
     parent = Parent(name="outer", config=parent_config)
     child = Child(name="inner", config=child_config)
     problems = [parent, child]

@@ -46,12 +46,14 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "tutorial3": ("tutorials", {"tutorial": 3}),
     "tutorial4": ("tutorials", {"tutorial": 4}),
     "tutorial5": ("tutorials", {"tutorial": 5}),
+    "pruning": ("pruning", {}),
+    "pruning-sgd": ("pruning", {"upper_sgd": True}),
 }
 STRATEGIES = ("distributed", "zero", "fsdp")
 # (b)'s cases: every port under every strategy, once on Adam and once on plain SGD where it
 # has both (the other one-process cases differ from these only in what (a) checks)
 ON_RANKS = ("nas", "lbi", "logreg_hpo", "logreg_hpo-sama-sgd", "bert_reweight",
-            "tutorial2-sgd", "tutorial5")
+            "tutorial2-sgd", "tutorial5", "pruning", "pruning-sgd")
 JOB_TIMEOUT = 240.0
 
 # (a) Betty vs compat, both float64 in one process. One rounding is 1.1e-16 relative; the
@@ -94,6 +96,22 @@ def _moved(r: dict[str, Any], problem: str) -> float:
                for k in r["final"] if k.startswith(problem + "."))
 
 
+def _pruning(r: dict[str, Any]) -> bool:
+    """6 outer steps over 12 inner ones; the inner read ``_global_step`` at each of its steps
+    and twice in each darts hypergradient (24 reads); ``ema_update`` after every inner step
+    (``fc_ema`` ends as ``fc``, which moved); 3 validations; the filter ranked all 32
+    samples; the MultiStepLR past both milestones."""
+    final = r["final"]
+    return (r["counts"] == {"inner": 12, "outer": 6}
+            and sorted(set(r["global_steps"])) == list(range(1, 13))
+            and len(r["global_steps"]) == 24 and r["ema_updates"] == list(range(1, 13))
+            and torch.allclose(final["inner.fc_ema.weight"], final["inner.fc.weight"])
+            and not torch.allclose(r["initial"]["inner.fc.weight"], final["inner.fc.weight"])
+            and [v["step"] for v in r["validations"]] == [4, 8, 12]
+            and sorted(r["sorted_idx"]) == list(range(32))
+            and r["lr"]["inner"] == pytest.approx([1e-3]))
+
+
 EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
     # 4 searches, each rolled back; validation (eval mode) twice
     "nas": lambda r: r["counts"] == {"arch": 4, "classifier": 4} and len(r["validations"]) == 2,
@@ -113,6 +131,8 @@ EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
     "tutorial3": lambda r: _tutorial(r, 3),
     "tutorial4": lambda r: _tutorial(r, 4),
     "tutorial5": lambda r: _tutorial(r, 5),
+    "pruning": _pruning,
+    "pruning-sgd": lambda r: _pruning(r) and _moved(r, "outer") > 1e-3,
 }
 
 

@@ -48,12 +48,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "tutorial5": ("tutorials", {"tutorial": 5}),
     "pruning": ("pruning", {}),
     "pruning-sgd": ("pruning", {"upper_sgd": True}),
+    "sanas": ("sanas", {}),
+    "sanas-sgd": ("sanas", {"upper_sgd": True}),
 }
 STRATEGIES = ("distributed", "zero", "fsdp")
 # (b)'s cases: every port under every strategy, once on Adam and once on plain SGD where it
-# has both (the other one-process cases differ from these only in what (a) checks)
-ON_RANKS = ("nas", "lbi", "logreg_hpo", "logreg_hpo-sama-sgd", "bert_reweight",
-            "tutorial2-sgd", "tutorial5", "pruning", "pruning-sgd")
+# has both (the other one-process cases differ from these only in what (a) checks); SANAS
+# on plain SGD, the slowest, under "fsdp" alone (its roll_back over shards)
+ON_RANKS = [(c, s) for c in ("nas", "lbi", "logreg_hpo", "logreg_hpo-sama-sgd",
+                             "bert_reweight", "tutorial2-sgd", "tutorial5", "pruning",
+                             "pruning-sgd", "sanas") for s in STRATEGIES] + [("sanas-sgd", "fsdp")]
 JOB_TIMEOUT = 240.0
 
 # (a) Betty vs compat, both float64 in one process. One rounding is 1.1e-16 relative; the
@@ -112,6 +116,16 @@ def _pruning(r: dict[str, Any]) -> bool:
             and r["lr"]["inner"] == pytest.approx([1e-3]))
 
 
+def _sanas(r: dict[str, Any]) -> bool:
+    """3 iterations of the four levels; 6 attacks at each of inner2's steps (the step, 4 in
+    darts' finite differences, the retake after roll_back); one validation; both cosine
+    schedules run out."""
+    return (r["counts"] == {"outer": 3, "inner2": 3, "inner1": 3}
+            and r["attacks"] == [c for c in (1, 2, 3) for _ in range(6)]
+            and [v[0] for v in r["validations"]] == [2]
+            and r["lr"]["inner1"] == r["lr"]["inner2"] == pytest.approx([0.0], abs=1e-12))
+
+
 EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
     # 4 searches, each rolled back; validation (eval mode) twice
     "nas": lambda r: r["counts"] == {"arch": 4, "classifier": 4} and len(r["validations"]) == 2,
@@ -133,6 +147,8 @@ EXERCISED: dict[str, Callable[[dict[str, Any]], bool]] = {
     "tutorial5": lambda r: _tutorial(r, 5),
     "pruning": _pruning,
     "pruning-sgd": lambda r: _pruning(r) and _moved(r, "outer") > 1e-3,
+    "sanas": _sanas,
+    "sanas-sgd": lambda r: _sanas(r) and _moved(r, "outer") > 1e-2,
 }
 
 
@@ -298,7 +314,7 @@ def test_port_equals_betty(one_process: Callable[[str], dict[str, dict[str, Any]
 
 # nas and sanas under "fsdp": roll_back caches and restores sharded state (before: refused
 # in the drop-in's own cache_states, a deep copy of the shards)
-@pytest.mark.parametrize(("port", "strategy"), [(c, s) for c in ON_RANKS for s in STRATEGIES])
+@pytest.mark.parametrize(("port", "strategy"), ON_RANKS)
 def test_port_on_two_ranks_equals_one_process(
         one_process: Callable[[str], dict[str, dict[str, Any]]], two_ranks: peers.Reopening,
         port: str, strategy: str) -> None:

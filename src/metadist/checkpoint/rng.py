@@ -11,6 +11,8 @@ random numbers as rank 0 (e.g. identical dropout masks); reseed them
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import random
 from typing import Any
 
@@ -34,6 +36,24 @@ def capture() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+def digests(state: dict[str, Any]) -> dict[str, str]:
+    """A short fingerprint of each generator in ``state`` (from :func:`capture`): equal
+    fingerprints, equal generators; cheap to send where states only need comparing."""
+    out = {}
+    for key, part in state.items():
+        h = hashlib.sha256()
+        if key == "python":
+            h.update(pickle.dumps(part))
+        elif key == "numpy":
+            h.update(part["key"].numpy().tobytes())
+            h.update(repr((part["kind"], part["pos"], part["has_gauss"], part["gauss"])).encode())
+        else:  # torch's tensor, CUDA's list of them
+            for t in part if isinstance(part, list) else [part]:
+                h.update(t.numpy().tobytes())
+        out[key] = h.hexdigest()
+    return out
 
 
 def pick(states: list[dict[str, Any]], rank: int) -> dict[str, Any] | None:

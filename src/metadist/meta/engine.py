@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from metadist.checkpoint import rng
 from metadist.comm import ops
 from metadist.comm.alone import alone
 from metadist.meta.bilevel import record_last_grads, upper_gradient, weighted
@@ -349,6 +350,12 @@ class Engine:
         current weights (so nothing here communicates). Return metrics by name."""
         return None
 
+    # [Note: random draws in validation]
+    # validation() runs on rank 0 alone, and what it draws (a DataLoader's iter() draws its
+    # base seed, dropout in a model left in train mode, a random crop) moves rank 0's
+    # generators only. One process continues from the moved state, so each generator of a
+    # rank (torch's, Python's, numpy's, CUDA's) that was rank 0's before validation takes
+    # rank 0's after it; one seeded apart (its own stream on purpose) keeps its own.
     def validate(self) -> None:
         """One validation round now (collective: call it on every rank; :meth:`run` calls it
         every ``valid_step`` iterations). Results land in ``last_validation`` on every rank."""
@@ -357,6 +364,7 @@ class Engine:
         states = [p.wrapped.state_dict() for p in self.problems.values()]
         metrics: dict[str, float] = {}
         error: str | None = None
+        before = rng.digests(rng.capture()) if self.world.world_size > 1 else {}
         if self.world.rank == 0:
             replicas = [(r, r.training) for p in self.problems.values()
                         if (r := p._replica) is not None]
@@ -375,7 +383,12 @@ class Engine:
                 for r, mode in replicas:
                     r.train(mode)
         if self.world.world_size > 1:
-            metrics, error = ops.broadcast_object((metrics, error), 0)
+            after = rng.capture() if self.world.rank == 0 else None
+            metrics, error, (before_0, after_0) = ops.broadcast_object(
+                (metrics, error, (before, after)), 0)
+            if self.world.rank != 0:  # [Note: random draws in validation]
+                rng.restore({k: v for k, v in after_0.items()
+                             if k in before and before[k] == before_0.get(k)})
         if error is not None:
             raise RuntimeError(f"validation() failed on rank 0 at iteration "
                                f"{self.global_step}:\n{error}")

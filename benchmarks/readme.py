@@ -104,6 +104,15 @@ RELABEL = {
 RELABEL_IN = {
     ("compiled", "speed-up"): "throughput ratio compiled / eager (steps / s)",
     ("comm", "speed-up"): "speed-up (time ratio one-by-one / fused)",
+    **{("affordable_meta", c): f"{c} MiB" for c in (
+        "ddp N=1", "ddp N=2", "zero3 N=2", "zero3 N=4", "zero3 N=4 live storages")},
+    ("affordable_meta", "zero3 / ddp at N=2"): "memory ratio zero3 / ddp at N=2",
+    ("affordable_meta", "zero3 N=4 / one process"): "memory ratio zero3 N=4 / one process",
+    ("affordable_meta", "within 1.0"): "target 1.0 met",
+    ("affordable_meta", "within 0.35"): "target 0.35 met",
+    ("affordable_meta", "within 1.5"): "target 1.5 met",
+    ("affordable_meta", "bound without overlap (ddp - its collectives + zero3's) / ddp"):
+        "bound without overlap: time ratio (ddp - its collectives + zero3's) / ddp",
 }
 # A column is labelled when it names a unit, a rate, or the kind of ratio it is.
 _UNITS = re.compile(r"(\bms\b|\bus\b|\bs\b|MiB|GB/s|/ s\b|/ it\b|/ step\b|/ meta-step\b|"
@@ -111,7 +120,7 @@ _UNITS = re.compile(r"(\bms\b|\bus\b|\bs\b|MiB|GB/s|/ s\b|/ it\b|/ step\b|/ meta
                     r"efficiency|max \||\bsame\b|target|\bmet\b)")
 # Columns that are names, counts or settings, not measurements.
 _PLAIN = {"workload", "configuration", "reference", "strategy", "format", "precision",
-          "ranks", "world", "program", "hypergradient", "hypergradient (inner Config)",
+          "ranks", "world", "program", "allocator", "hypergradient", "hypergradient (inner Config)",
           "implementation", "model", "payload", "primitive", "full buffer", "by op",
           "all-reduce MiB", "256 x 4 KiB all-reduce", "per-rank batch", "global batch",
           "collectives / step", "collectives / it", "metadist collectives / it",
@@ -359,6 +368,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "compiled": _simple("compiled"),
     "mapreduce": _simple("mapreduce"),
     "sharded_meta": _simple("sharded_meta", notes=True),
+    "affordable_meta": _simple("affordable_meta", notes=True),
     "maml_overhead": _simple("maml_overhead"),
     "comm": _simple("comm", notes=True),
 }

@@ -1,4 +1,4 @@
-"""Random number generator states, saved per rank and restored on load.
+"""Random number generator states, saved per rank and restored on load, and compared.
 
 Saved: Python's ``random``, numpy's global generator (when numpy is importable), torch's CPU
 generator and, when CUDA is initialised, every CUDA device's. Every rank's state is kept.
@@ -7,6 +7,9 @@ On load, rank r restores the state saved by rank r; when the checkpoint was writ
 ranks (a larger world on resume) ranks beyond them take rank 0's. Ranks then draw the same
 random numbers as rank 0 (e.g. identical dropout masks); reseed them
 (``torch.manual_seed(seed + rank)``) after loading if that matters.
+
+The meta engine compares them too (:func:`digests`): what rank 0's validation draws reaches
+every rank whose generators were rank 0's (meta/engine.py).
 """
 
 from __future__ import annotations

@@ -49,7 +49,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import BertConfig, BertForSequenceClassification, get_linear_schedule_with_warmup
 
-from betty_programs.ported import api, engine_config, learning_rates, place, snapshot
+from betty_programs.ported import (
+    HiddenLayer,
+    api,
+    engine_config,
+    learning_rates,
+    place,
+    snapshot,
+)
 
 VOCAB, SEQ_LEN, GLOBAL_BATCH = 24, 8, 8
 ARGS = dict(seed=0, meta_net_hidden_size=8, meta_net_num_layers=1, lr=1e-3, weight_decay=5e-3,
@@ -73,16 +80,6 @@ class BertModel(nn.Module):
         if labels is None:
             return out.logits
         return out.loss, out.logits, F.softmax(out.logits, dim=-1)
-
-
-class HiddenLayer(nn.Module):
-    def __init__(self, input_size: int, output_size: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(input_size, output_size)
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.relu(self.fc(x))
 
 
 class MLP(nn.Module):

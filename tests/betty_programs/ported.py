@@ -1,6 +1,7 @@
 """What the ports of Betty 0.2.1's example programs (nas.py, lbi.py, logreg_hpo.py,
-bert_reweight.py) share: the implementation's classes, this process's place in the world, the
-EngineConfig of a run, and snapshots of every problem's state.
+bert_reweight.py, pruning.py, sanas.py, tutorials.py) share: the implementation's classes,
+this process's place in the world, the EngineConfig of a run, snapshots of every problem's
+state, and the reweighting examples' meta-network layer.
 
 A port names Betty's classes through :func:`api` only, so the program text is the same for
 ``impl="betty"`` (Betty 0.2.1 itself, importable as ``betty``) and ``impl="compat"``
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import nn
 
 
 def api(impl: str) -> SimpleNamespace:
@@ -58,3 +60,17 @@ def snapshot(problems: list[Any]) -> dict[str, torch.Tensor]:
 def learning_rates(problems: list[Any]) -> dict[str, list[float]]:
     """Each problem's learning rate per parameter group, as its optimizer holds them now."""
     return {p.name: [float(g["lr"]) for g in p.optimizer.param_groups] for p in problems}
+
+
+class HiddenLayer(nn.Module):
+    """The meta networks' layer in Betty's reweighting examples (bert_data_reweighting,
+    imagenet_pruning): Linear then ReLU, its weights under ``fc``."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(input_size, output_size)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.relu(self.fc(x))
+        return out

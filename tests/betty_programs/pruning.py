@@ -51,7 +51,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from betty_programs.ported import api, engine_config, learning_rates, place, snapshot
+from betty_programs.ported import (
+    HiddenLayer,
+    api,
+    engine_config,
+    learning_rates,
+    place,
+    snapshot,
+)
 
 CLASSES, RAW, CROP, RESIZE, GLOBAL_BATCH, N_TRAIN, N_VAL = 6, 40, 32, 36, 8, 32, 16
 MEAN = torch.tensor((0.485, 0.456, 0.406), dtype=torch.float64).view(3, 1, 1)
@@ -89,17 +96,6 @@ class Bottleneck(nn.Module):
         out += x if self.downsample is None else self.downsample(x)
         relu: torch.Tensor = self.relu(out)
         return relu
-
-
-class HiddenLayer(nn.Module):
-    def __init__(self, input_size: int, output_size: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(input_size, output_size)
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.relu(self.fc(x))
-        return out
 
 
 class MLP(nn.Module):

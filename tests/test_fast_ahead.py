@@ -223,3 +223,67 @@ def test_a_units_several_saved_weights_share_one_gather(n: int) -> None:
         # weights summed into one for each of the K inner steps
         blocks = 3
         assert ahead[rank]["scatters"] == K * blocks + (K + 1) * blocks + K * blocks, ahead[rank]
+
+
+class _Headed(nn.Module):
+    """A language model's layout: the root unit holds an embedding, read first, and a norm
+    and head, read last (the first weights a backward reads), around blocks of several
+    saved weights each."""
+
+    def __init__(self, vocab: int = 11, width: int = 16, blocks: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(_Block(width) for _ in range(blocks)))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(ids))))
+
+
+def _headed_steps(strategy: str, prefetch: bool) -> dict[str, Any]:
+    model = _Headed()
+    options = {"wrap_classes": (_Block,), "prefetch": prefetch} if strategy == "zero3" else {}
+    s = metadist.strategy(strategy, **options)
+    model, opt = s.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    ids, targets = (torch.randint(0, 11, (12, 5), generator=g) for _ in range(2))
+
+    def loss(fast: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = model.functional_forward(fast, x)
+        return nn.functional.cross_entropy(out.reshape(-1, 11), y.reshape(-1))
+
+    counts = before = fast_ahead.COUNTS.snapshot()
+    for _ in range(10):
+        before = fast_ahead.COUNTS.snapshot()
+        opt.zero_grad()
+        fast = model.fast_weights()
+        xs, ys = (t.chunk(fast.group_size)[fast.group_rank] for t in (ids, targets))
+        for _ in range(K):
+            fast = fast - 0.1 * fast.grad(loss(fast, xs, ys))
+        s.backward(loss(fast, xs, ys))
+        opt.step()
+        counts = fast_ahead.COUNTS.snapshot()
+    return {"params": {n: p.detach().clone() for n, p in model.full_parameters().items()},
+            "started": counts.started - before.started, "used": counts.used - before.used,
+            "at_use": counts.at_use - before.at_use}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_root_units_head_is_read_first_and_every_guess_comes(n: int) -> None:
+    """The backward reads a root unit's head first, then the blocks last to first: the
+    guesses follow the order the forward saved the weights in (not the order it gathered
+    them in), so every gather started ahead is used, and only each forward's root unit
+    and each of the outer backward's walks into an earlier forward wait for their gather;
+    10 meta-steps equal one process, and no prefetch bit for bit."""
+    want = run_on_ranks(_headed_steps, 1, args=("single", True))[0]["params"]
+    ahead = run_on_ranks(_headed_steps, n, args=("zero3", True), timeout=300)
+    serial = run_on_ranks(_headed_steps, n, args=("zero3", False), timeout=300)
+    for rank in range(n):
+        a = ahead[rank]
+        assert_tensors_close(a["params"], want, f"zero3 n={n} rank={rank}")
+        for name, value in serial[rank]["params"].items():
+            assert torch.equal(a["params"][name], value), (rank, name)
+        counts = {k: a[k] for k in ("started", "used", "at_use")}
+        assert a["started"] == a["used"], f"rank {rank}: a gather ahead was unused: {counts}"
+        assert a["at_use"] == (K + 1) + K, (rank, counts)

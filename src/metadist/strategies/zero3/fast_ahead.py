@@ -8,12 +8,14 @@ So the gather most likely needed next is started while the current unit computes
 
 * **Forward.** When a unit opens, the unit that followed it in the model's last forward on
   fast weights is gathered ahead (its order is the model's, :attr:`Schedule.fast_order`).
-* **The turn to backward.** The last unit of a forward stays gathered after it runs
-  (:class:`LastUnit`): the backward that follows reads its saved weights first.
+* **The turn to backward.** The unit whose weights a forward saved last stays gathered
+  (:class:`LastUnit`): the backward that follows reads its saved weights first. That is the
+  last unit to run, or a root unit whose head runs after every block (a language model's).
 * **Backward.** When a saved view is gathered again, the saved weights of the unit next to it
-  in its forward are gathered ahead, in the direction the backward is going: a plain
-  backward reads a forward's units last to first, the backward of a recorded backward
-  (second order) first to last. :class:`BackwardAhead` follows which way the reads went.
+  in the order its forward saved them (shard_gather.SavedOrder) are gathered ahead, in the
+  direction the backward is going: a plain backward reads a forward's units last to first,
+  the backward of a recorded backward (second order) first to last. :class:`BackwardAhead`
+  follows which way the reads went.
   A unit whose forward saved several views (a transformer block's layers) is gathered once
   for them: its buffer is held until the backward reads another unit.
 
@@ -155,17 +157,22 @@ class BackwardAhead(threading.local):
         # the unit whose several saved views are being read, and its buffer kept for them
         self.held: tuple[weakref.ref[Neighbours], Ahead] | None = None
         self.task = -1  # the graph task whose end drops what is pending and held
+        self.by_forward = True  # the last read was of a view its forward saved
 
-    def read(self, gathered: Neighbours, full: Tensor) -> None:
+    def read(self, gathered: Neighbours, full: Tensor, by_forward: bool = True) -> None:
         """``gathered``'s saved view is being gathered again (into ``full``), inside a
-        backward: start the gather of its neighbour in the direction the reads go."""
+        backward: start the gather of its neighbour in the direction the reads go.
+        ``by_forward``: the view was saved by the forward that gathered it, not by a
+        backward recorded on that forward."""
         task = torch._C._current_graph_task_id()
         if task == -1 or not gathered.prefetch:  # outside a backward (a saved tensor looked
             return                                # at), or the model's prefetch is off
         last = None if self.last is None else self.last()
+        turned = last is gathered and by_forward != self.by_forward  # see below
+        self.by_forward = by_forward
         if gathered.saved_views > 1:  # its other saved views are read next: one gather
             self._hold(task, gathered, full)
-            if last is gathered:  # still within the unit: the walk has not moved
+            if last is gathered and not turned:  # still within the unit: not moved
                 return
         elif self.held is not None:
             self._let_go_held()
@@ -178,7 +185,9 @@ class BackwardAhead(threading.local):
         if nxt is None and walked:
             # The walk reached a forward's end. A second-order backward reads a forward's
             # saved weights twice in a row: first to last through the backward recorded on
-            # it, then back through the forward itself, starting with this one again.
+            # it, then back through the forward itself, starting with this one again: a
+            # read of a view its forward saved after reads of views the recorded backward
+            # saved (``turned``), which starts the gather of the next unit on the way back.
             self._start(task, gathered.keep(full))
             return
         if nxt is None:  # one read at an end, coming from elsewhere: the walk starts here
@@ -219,7 +228,7 @@ class BackwardAhead(threading.local):
 
     def _end(self) -> None:
         self.task = -1
-        self.last = None
+        self.last, self.by_forward = None, True
         self._drop()
         if self.held is not None:
             self._let_go_held()

@@ -118,14 +118,17 @@ class Gathered:
     """One gather of a piece: what its saved views refer to, and the second-order gradient
     diverted to it (this rank's shard of it) until its backward takes it."""
 
-    __slots__ = ("__weakref__", "ahead", "aside", "flat", "left", "node", "noting", "packed",
-                 "piece", "prefetch", "saved_views", "sides", "summing", "used")
+    __slots__ = ("__weakref__", "ahead", "aside", "flat", "left", "node", "noting", "order",
+                 "packed", "piece", "prefetch", "saved_views", "sides", "summing", "used")
 
-    def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor]) -> None:
+    def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor],
+                 order: SavedOrder | None = None) -> None:
         self.piece, self.flat = piece, flat
-        # the gathers made before and after this one in its forward (weakly: each holds its
-        # piece), and a gather of this one started ahead (strategies/zero3/fast_ahead.py)
+        # the gathers whose views its forward saved just before and after this one's
+        # (weakly: each holds its piece), and a gather of this one started ahead
+        # (strategies/zero3/fast_ahead.py)
         self.sides: dict[int, weakref.ref[Gathered]] = {}
+        self.order = order
         self.ahead: Ahead | None = None
         self.packed = False  # autograd saved a view of it: a backward gathers it again
         # views saved while the unit's members ran: more than one (a block's several layers)
@@ -147,20 +150,13 @@ class Gathered:
         start = torch._C._autograd._get_sequence_nr()
         self.used = (start, start)
 
-    def follows(self, before: Gathered | None) -> None:
-        """``before`` was the gather made just before this one in the same forward."""
-        if before is not None:
-            self.sides[-1], before.sides[1] = weakref.ref(before), weakref.ref(self)
-
-    def neighbour(self, step: int) -> Gathered | None:
-        """The nearest gather ``step`` (-1 or 1) ways from this one in its forward that has
-        saved views (a backward gathers it again)."""
+    def side(self, step: int) -> Gathered | None:
+        """The gather whose views its forward saved next ``step`` (-1 or 1) ways from this
+        one's: the one a backward reads after this one, in one direction or the other."""
         ref = self.sides.get(step)
-        out = None if ref is None else ref()
-        while out is not None and not out.packed:  # skip gathers no backward reads again
-            ref = out.sides.get(step)
-            out = None if ref is None else ref()
-        return out
+        return None if ref is None else ref()
+
+    neighbour = side  # what fast_ahead.BackwardAhead reads (its Neighbours protocol)
 
     def start_ahead(self) -> Ahead:
         self.ahead = Ahead(self.piece, self.flat)
@@ -237,6 +233,38 @@ class Gathered:
         return aside
 
 
+class SavedOrder:
+    """The gathers of one forward, linked in the order its layers last saved a view of each
+    (:attr:`Gathered.sides`): a backward reads saved weights in that order reversed, and a
+    recorded backward's own backward in that order. The order the units were gathered in
+    is not it: a root unit gathered first for its embedding whose head is read first (a
+    language model's) would have the backward's guesses walk away from every read."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: weakref.ref[Gathered] | None = None
+
+    def saved(self, gathered: Gathered) -> None:
+        """``gathered``'s forward saved a view of it: it moves to the end of the order."""
+        last = None if self.last is None else self.last()
+        if last is gathered:
+            return
+        before, after = gathered.side(-1), gathered.side(1)
+        for near, step, far in ((before, 1, after), (after, -1, before)):
+            if near is not None:
+                near.sides.pop(step, None)
+                if far is not None:
+                    near.sides[step] = weakref.ref(far)
+        gathered.sides = {}
+        if last is not None:
+            gathered.sides[-1], last.sides[1] = weakref.ref(last), weakref.ref(gathered)
+        self.last = weakref.ref(gathered)
+
+    def is_last(self, gathered: Gathered) -> bool:
+        return self.last is not None and self.last() is gathered
+
+
 class _Summing(threading.local):
     """The gather whose views' diverted gradients are being summed whole: one at a time per
     thread (a backward diverts to a unit's views one after the other), scattered when a
@@ -273,10 +301,11 @@ SUMMING = _Summing()
 class _Packed:
     """A saved view of a gathered buffer, as the gather it came from and where it lies."""
 
-    __slots__ = ("gathered", "node", "offset", "output_nr", "size", "stride")
+    __slots__ = ("by_forward", "gathered", "node", "offset", "output_nr", "size", "stride")
 
     def __init__(self, gathered: Gathered, view: Tensor) -> None:
         self.gathered = gathered
+        self.by_forward = not gathered.left  # else saved by a backward recorded on it
         self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
         # the view's node in the forward graph: the gradient of the unpacked tensor goes there
         self.node, self.output_nr = view.grad_fn, view.output_nr
@@ -289,7 +318,8 @@ class _Packed:
     def unpack(self) -> Tensor:
         g = self.gathered
         full = g.whole()
-        BACKWARD.read(g, full)  # the next saved weight's gather overlaps this node's compute
+        BACKWARD.read(g, full, self.by_forward)  # the next saved weight's gather overlaps
+        # this node's compute
         _REGISTRY.add(full, g)  # saved again by a recorded backward: packed again
         _DIVERTER.note(self)
         return full.as_strided(self.size, self.stride, self.offset)
@@ -330,7 +360,10 @@ class _Registry:
         if gathered is None:
             return t.detach()
         gathered.packed = True
-        gathered.saved_views += not gathered.left
+        if not gathered.left:  # saved by its own forward, not by a backward reading it
+            gathered.saved_views += 1
+            if gathered.order is not None:
+                gathered.order.saved(gathered)
         return _Packed(gathered, t)
 
     @staticmethod

@@ -42,6 +42,7 @@ from metadist.strategies.zero3.flat import FlatParam, split_views
 from metadist.strategies.zero3.gather_buffers import zeros
 from metadist.strategies.zero3.shard_gather import (
     Gathered,
+    SavedOrder,
     real_size,
     register,
     saved_as_shards,
@@ -150,18 +151,19 @@ def _sum_replicas(g: Tensor, flat: FlatParam) -> Tensor:
     return out
 
 
-def gather(piece: Tensor, flat: FlatParam, ready: Tensor | None = None
-           ) -> tuple[list[Tensor], Gathered]:
+def gather(piece: Tensor, flat: FlatParam, ready: Tensor | None = None,
+           order: SavedOrder | None = None) -> tuple[list[Tensor], Gathered]:
     """``piece`` whole, as its parameters' views: through :class:`_FastGather` where
     gradients flow, else plain; kept as shards when autograd saves them. ``ready``: the
-    piece already gathered (a gather started ahead)."""
+    piece already gathered (a gather started ahead); ``order``: its forward's gathers in the
+    order their views are saved."""
     if torch.is_grad_enabled() and piece.requires_grad:
         holder: list[Gathered] = []
         views = list(_FastGather.apply(plain(piece), flat, holder, ready))
-        holder.append(Gathered(piece, flat, views))
+        holder.append(Gathered(piece, flat, views, order))
     else:
         views = split_views(gather_now(piece, flat) if ready is None else ready, flat)
-        holder = [Gathered(piece, flat, views)]
+        holder = [Gathered(piece, flat, views, order)]
     register(views[0], holder[0])
     return views, holder[0]
 
@@ -181,7 +183,7 @@ class FastForward:
         self._sources: dict[FlatParam, Tensor] = {}
         self._seen: list[Unit] = []  # the units in the order they opened
         self._ahead: dict[FlatParam, Ahead] = {}  # the next unit's gathers, started ahead
-        self._last: Gathered | None = None  # the last gather made: the next one follows it
+        self._saved = SavedOrder()  # its gathers in the order their views are saved
 
     def whole(self, flat: FlatParam, index: int) -> Tensor:
         """Parameter ``index`` of ``flat`` on these fast weights, gathered (differentiably)
@@ -212,7 +214,9 @@ class FastForward:
 
     def close(self) -> None:
         for unit in list(self._open):
-            self._let_go(*self._open.pop(unit)[1:])
+            saved, made = self._open.pop(unit)[1:]
+            self._let_go(saved, made)
+            self._keep_if_last(unit, made, ending=True)
         self._drop_ahead()
         if self._seen:  # the next forward on fast weights likely runs the same order
             self.root_unit.schedule.fast_order = self._seen
@@ -223,17 +227,19 @@ class FastForward:
         for gathered, _ in made:
             gathered.unit_left()
 
-    def _keep_if_last(self, unit: Unit, made: list[tuple[Gathered, Tensor]]) -> None:
-        """``unit`` ran last in the model's last forward on fast weights: its backward's
-        first read of a saved weight is this unit's, so its buffer stays for that read
-        (strategies/zero3/fast_ahead.py, :class:`LastUnit`)."""
+    def _keep_if_last(self, unit: Unit, made: list[tuple[Gathered, Tensor]],
+                      ending: bool = False) -> None:
+        """The gather whose views this forward saved last stays whole for the backward that
+        usually follows at once and reads them first (strategies/zero3/fast_ahead.py,
+        :class:`LastUnit`): kept as its unit leaves if that unit opened last in the model's
+        last forward on fast weights, or as the forward ends (a root unit's head)."""
         order = self.root_unit.schedule.fast_order
-        if not made or not order or order[-1] is not unit or in_backward() \
-                or not self.root_unit.schedule.prefetch:
+        if not made or in_backward() or not self.root_unit.schedule.prefetch \
+                or not (ending or (order and order[-1] is unit)):
             return
-        gathered, buffer = made[-1]
-        if gathered.packed:
-            LAST_UNIT.keep(gathered, buffer)
+        for gathered, buffer in made:
+            if self._saved.is_last(gathered):
+                LAST_UNIT.keep(gathered, buffer)
 
     def _source(self, flat: FlatParam) -> Tensor:
         """What ``flat`` is gathered from: its piece, or its shard without a graph (frozen
@@ -250,10 +256,9 @@ class FastForward:
         made = []
         for flat in unit.flats:
             source, ahead = self._source(flat), self._ahead.pop(flat, None)
-            views, gathered = gather(source, flat, None if ahead is None else ahead.take(source))
-            gathered.follows(self._last)
+            views, gathered = gather(source, flat, None if ahead is None else ahead.take(source),
+                                     self._saved)
             gathered.prefetch = self.root_unit.schedule.prefetch
-            self._last = gathered
             made.append((gathered, views[0].detach()))  # the buffer, for _keep_if_last
             for slot, view in zip(flat.slots, views, strict=True):
                 placed += [(place_of(module, attr), view) for module, attr in slot.uses]

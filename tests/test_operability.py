@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -63,6 +64,34 @@ def test_a_skipped_collective_times_out_naming_op_call_and_rank() -> None:
                                "from the function without making that call")
     assert "METADIST_TIMEOUT" in str(err)
     assert "_skip_second_all_reduce" in err.remote_traceback  # where rank 0 was waiting
+
+
+def _watchdog_report_without_rank_variable(path: str) -> str:
+    """The watchdog's report as a program that set up its process group itself prints it:
+    no ``RANK`` in the environment (``mp.spawn`` passes the rank as an argument)."""
+    rank, saved_env = metadist.world().rank, os.environ.pop("RANK", None)
+    out = f"{path}.{rank}"
+    fd, saved_fd = os.open(out, os.O_WRONLY | os.O_CREAT), os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        watchdog._print_and_record(watchdog.Report(
+            "CollectiveTimeoutError", "all_reduce #2 did not complete", "  in step()\n",
+            secondary=False))
+    finally:
+        os.dup2(saved_fd, 2)
+        os.close(saved_fd)
+        os.close(fd)
+        if saved_env is not None:
+            os.environ["RANK"] = saved_env
+    with open(out) as f:
+        return f.read()
+
+
+def test_a_watchdog_report_names_the_rank_without_a_rank_variable(tmp_path: Path) -> None:
+    out = run_on_ranks(_watchdog_report_without_rank_variable, 2, args=(str(tmp_path / "err"),))
+    for rank, text in enumerate(out):
+        assert text.startswith(f"[rank {rank}] metadist watchdog: all_reduce #2"), text
+        assert f"--- where rank {rank} was ---" in text, text
 
 
 def _die_between_collectives() -> None:

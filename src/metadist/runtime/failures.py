@@ -20,6 +20,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 # What gloo, NCCL and the store say when a peer process went away. Such an error is never
 # the origin: the rank that went away is.
 _PEER_LOSS = (
@@ -51,6 +53,18 @@ def one_line(exc_type: str, message: str, limit: int = 400) -> str:
     first = message.strip().splitlines()[0] if message.strip() else ""
     text = f"{exc_type}: {first}" if first else exc_type
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def rank_label() -> str:
+    """This process's rank as a report names it: the launcher's ``RANK``, else the default
+    process group's (one a program initialised itself with an explicit rank, as
+    ``mp.spawn`` programs do), else "?"."""
+    rank = os.environ.get("RANK")
+    if rank is not None:
+        return rank
+    if dist.is_available() and dist.is_initialized():
+        return str(dist.get_rank())
+    return "?"
 
 
 def write_error_file(summary: str, detail: str, *, secondary: bool, printed: bool,
@@ -86,7 +100,7 @@ def record_script_failure(exc: BaseException, claim_first: Callable[[], bool]) -
     first rank to fail, by ``claim_first``) or one line, and leave the error file."""
     global _failed_here
     _failed_here = True
-    rank = os.environ.get("RANK", "?")
+    rank = rank_label()
     secondary = is_secondary(exc)
     origin = not secondary and claim_first()
     detail = "".join(traceback.format_exception(exc))

@@ -99,7 +99,7 @@ class Report:
 
 
 def _print_and_record(report: Report) -> None:
-    rank = os.environ.get("RANK", "?")
+    rank = failures.rank_label()
     text = f"[rank {rank}] metadist watchdog: {report.message}\n"
     if not report.secondary and report.stack:
         text += f"--- where rank {rank} was ---\n{report.stack}"

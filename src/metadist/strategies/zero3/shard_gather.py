@@ -119,7 +119,7 @@ class Gathered:
     diverted to it (this rank's shard of it) until its backward takes it."""
 
     __slots__ = ("__weakref__", "ahead", "aside", "flat", "left", "node", "noting", "order",
-                 "packed", "piece", "prefetch", "saved_views", "sides", "summing", "used")
+                 "piece", "prefetch", "saved_views", "sides", "summing", "used")
 
     def __init__(self, piece: Tensor, flat: FlatParam, views: list[Tensor],
                  order: SavedOrder | None = None) -> None:
@@ -130,7 +130,6 @@ class Gathered:
         self.sides: dict[int, weakref.ref[Gathered]] = {}
         self.order = order
         self.ahead: Ahead | None = None
-        self.packed = False  # autograd saved a view of it: a backward gathers it again
         # views saved while the unit's members ran: more than one (a block's several layers)
         # and a backward reads them one after the other, each needing the same gather
         self.saved_views, self.left = 0, False
@@ -150,13 +149,11 @@ class Gathered:
         start = torch._C._autograd._get_sequence_nr()
         self.used = (start, start)
 
-    def side(self, step: int) -> Gathered | None:
+    def neighbour(self, step: int) -> Gathered | None:
         """The gather whose views its forward saved next ``step`` (-1 or 1) ways from this
         one's: the one a backward reads after this one, in one direction or the other."""
         ref = self.sides.get(step)
         return None if ref is None else ref()
-
-    neighbour = side  # what fast_ahead.BackwardAhead reads (its Neighbours protocol)
 
     def start_ahead(self) -> Ahead:
         self.ahead = Ahead(self.piece, self.flat)
@@ -250,7 +247,7 @@ class SavedOrder:
         last = None if self.last is None else self.last()
         if last is gathered:
             return
-        before, after = gathered.side(-1), gathered.side(1)
+        before, after = gathered.neighbour(-1), gathered.neighbour(1)
         for near, step, far in ((before, 1, after), (after, -1, before)):
             if near is not None:
                 near.sides.pop(step, None)
@@ -318,8 +315,8 @@ class _Packed:
     def unpack(self) -> Tensor:
         g = self.gathered
         full = g.whole()
-        BACKWARD.read(g, full, self.by_forward)  # the next saved weight's gather overlaps
-        # this node's compute
+        # the next saved weight's gather overlaps this node's compute
+        BACKWARD.read(g, full, self.by_forward)
         _REGISTRY.add(full, g)  # saved again by a recorded backward: packed again
         _DIVERTER.note(self)
         return full.as_strided(self.size, self.stride, self.offset)
@@ -359,7 +356,6 @@ class _Registry:
         gathered = entry[1]()
         if gathered is None:
             return t.detach()
-        gathered.packed = True
         if not gathered.left:  # saved by its own forward, not by a backward reading it
             gathered.saved_views += 1
             if gathered.order is not None:

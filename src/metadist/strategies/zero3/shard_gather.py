@@ -393,20 +393,24 @@ class _Diverter:
         targets = {(id(p.node), p.output_nr): p for p in packs}
         seen: set[int] = set()
         frontier = [g.grad_fn for g in grads if g is not None and g.grad_fn is not None]
+        ends = {key[0] for key in targets}  # nothing this backward built lies beyond them
         for _ in range(_SEARCH_DEPTH):
             following = []
             for built in frontier:
                 if id(built) in seen:
                     continue
                 seen.add(id(built))
-                edges = {i: targets[(id(nxt), nr)] for i, (nxt, nr)
-                         in enumerate(built.next_functions)
-                         if nxt is not None and (id(nxt), nr) in targets
-                         and not targets[(id(nxt), nr)].gathered.built_by_forward(built)}
+                edges = {}
+                for i, (nxt, nr) in enumerate(built.next_functions):
+                    if nxt is None:
+                        continue
+                    packed = targets.get((id(nxt), nr))
+                    if packed is not None and not packed.gathered.built_by_forward(built):
+                        edges[i] = packed
+                    if id(nxt) not in seen and id(nxt) not in ends:
+                        following.append(nxt)
                 if edges:
                     self._hook(built, edges)
-                following += [nxt for nxt, _ in built.next_functions
-                              if nxt is not None and id(nxt) not in seen]
             frontier = following
 
     @staticmethod

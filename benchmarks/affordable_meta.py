@@ -21,7 +21,10 @@ and zero3 with ``model.fast_weights()``:
   with nothing else running): where the ranks' compute and their exchanges cannot overlap
   (on this machine each rank's compute holds a core, and a loopback exchange needs a core
   too), the sharded path cannot be faster than ddp's compute plus its own collectives, the
-  bound the table states.
+  bound the table states. A second table gives the CPU time of a meta-step over all ranks
+  (user and system, every thread) and of the collectives alone: where more ranks than cores
+  keep the cores busy, time is CPU shared out, and the CPU bound says what the sharded path's
+  collectives alone add to ddp's.
 * **Resident memory**: the growth of each rank's resident peak over the first meta-step after
   setup (the kernel's high-water mark), under metadist's allocator setting
   (runtime/resident.py) and under glibc's and torch's defaults, next to the live storages.
@@ -101,8 +104,15 @@ def _program(model: str, kind: str, shape: tuple[int, int, int]) -> Callable[[],
     return lambda: sm._step(s, net, opt, x, y, path)
 
 
-def _replay(counted: dict[str, tuple[int, int]]) -> float:
-    """Seconds the collectives ``counted`` (op: calls, payload bytes in all) take alone."""
+def _cpu_seconds() -> float:
+    """CPU time this process (every thread: gloo's too) has used, user and system."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+def _replay(counted: dict[str, tuple[int, int]]) -> tuple[float, float]:
+    """Seconds the collectives ``counted`` (op: calls, payload bytes in all) take alone, and
+    the CPU seconds this rank spends on them."""
     n = metadist.world().world_size
     work = []
     for op, (calls, nbytes) in counted.items():
@@ -123,7 +133,9 @@ def _replay(counted: dict[str, tuple[int, int]]) -> float:
             call()
 
     run()  # warm-up: the connections' buffers
-    return statistics.median(timed(run) for _ in range(3))
+    cpu = _cpu_seconds()
+    wall = statistics.median(timed(run) for _ in range(3))
+    return wall, (_cpu_seconds() - cpu) / 3
 
 
 def _time_body(model: str, path: str, shape: tuple[int, int, int], steps: int, warmup: int
@@ -131,11 +143,18 @@ def _time_body(model: str, path: str, shape: tuple[int, int, int], steps: int, w
     step = _program(model, path, shape)
     for _ in range(warmup):
         step()
+    cpu = _cpu_seconds()
     t = statistics.median(timed(step) for _ in range(steps))
+    cpu = (_cpu_seconds() - cpu) / steps
     with stats.counting() as counted:
         step()
-    alone = _replay({op: (o.calls, o.bytes) for op, o in counted.ops.items()})
-    return {"time": t, "collectives": alone}
+    alone, alone_cpu = _replay({op: (o.calls, o.bytes) for op, o in counted.ops.items()})
+    # CPU seconds of all ranks together: with more ranks than cores, time is what they share
+    used = torch.tensor([cpu, alone_cpu], dtype=torch.float64)
+    if metadist.world().world_size > 1:
+        torch.distributed.all_reduce(used)
+    return {"time": t, "collectives": alone, "cpu": float(used[0]),
+            "collectives_cpu": float(used[1])}
 
 
 def _memory_body(model: str, path: str, shape: tuple[int, int, int]) -> dict[str, float]:
@@ -186,8 +205,22 @@ def _verdict(value: float, target: float) -> str:
     return "yes" if value <= target else f"no (x{value / target:.2f} the target)"
 
 
+def _cpu_row(n: int, setting: str, d: dict[str, float], z: dict[str, float]
+             ) -> tuple[object, ...]:
+    """CPU seconds of a meta-step over all ranks, and how busy they kept the cores: where
+    the ranks outnumber the cores and keep them busy, time follows CPU, and the sharded
+    path's collectives cost CPU (loopback copies, wake-ups) that cannot hide."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    bound = (d["cpu"] - d["collectives_cpu"] + z["collectives_cpu"]) / d["cpu"]
+    return (n, sm._setting_words(setting), f"{d['cpu'] * 1e3:.0f}",
+            f"{d['cpu'] / (cores * d['time']):.2f}", f"{z['cpu'] * 1e3:.0f}",
+            f"{z['cpu'] / (cores * z['time']):.2f}", f"{z['collectives_cpu'] * 1e3:.0f}",
+            f"{z['cpu'] / d['cpu']:.2f}", f"{bound:.2f}")
+
+
 def _time_table(out: Results, args: argparse.Namespace, model: str, name: str) -> None:
-    rows, records = [], []
+    rows, records, cpu_rows = [], [], []
     for n in (int(r) for r in args.ranks.split(",")):
         for setting in args.time_allocators.split(","):
             t = _times(args, model, n, setting)
@@ -200,6 +233,7 @@ def _time_table(out: Results, args: argparse.Namespace, model: str, name: str) -
                          _verdict(ratio, 1.5)))
             records.append({"ranks": n, "allocator": sm._setting_words(setting), "ddp": d,
                             "zero3": z, "ratio": ratio, "no_overlap_bound": bound})
+            cpu_rows.append(_cpu_row(n, setting, d, z))
     out.heading(f"meta-step time, zero3 fast_weights() against ddp: {name}, gloo, 1 thread "
                 f"per rank, {os.cpu_count()} cores")
     out.table(["ranks", "allocator", "ddp ms", "ddp's collectives alone ms", "zero3 ms",
@@ -207,6 +241,11 @@ def _time_table(out: Results, args: argparse.Namespace, model: str, name: str) -
                "bound without overlap (ddp - its collectives + zero3's) / ddp",
                "within 1.5"], rows, key=f"time_{model}")
     out.data[f"time_{model}"] = records
+    out.table(["ranks", "allocator", "ddp CPU ms (all ranks)", "ddp cores busy",
+               "zero3 CPU ms (all ranks)", "zero3 cores busy",
+               "zero3's collectives alone CPU ms", "CPU ratio zero3 / ddp",
+               "CPU bound (ddp - its collectives + zero3's) / ddp"], cpu_rows,
+              key=f"cpu_{model}")
 
 
 def _memory_table(out: Results, args: argparse.Namespace, model: str, name: str) -> None:

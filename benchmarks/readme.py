@@ -113,6 +113,11 @@ RELABEL_IN = {
     ("affordable_meta", "within 1.5"): "target 1.5 met",
     ("affordable_meta", "bound without overlap (ddp - its collectives + zero3's) / ddp"):
         "bound without overlap: time ratio (ddp - its collectives + zero3's) / ddp",
+    **{("affordable_meta", f"{p} cores busy"): f"{p} cores busy: CPU time ratio over cores x "
+       "wall time" for p in ("ddp", "zero3")},
+    ("affordable_meta", "CPU ratio zero3 / ddp"): "CPU time ratio zero3 / ddp",
+    ("affordable_meta", "CPU bound (ddp - its collectives + zero3's) / ddp"):
+        "CPU bound: CPU time ratio (ddp - its collectives + zero3's) / ddp",
 }
 # A column is labelled when it names a unit, a rate, or the kind of ratio it is.
 _UNITS = re.compile(r"(\bms\b|\bus\b|\bs\b|MiB|GB/s|/ s\b|/ it\b|/ step\b|/ meta-step\b|"

@@ -12,14 +12,12 @@ plus a watchdog), so no process outlives a crashed or interrupted caller.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -30,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, NoReturn
 
 from metadist.errors import LaunchTimeoutError, MetadistError, RankFailedError
-from metadist.runtime import failures
+from metadist.runtime import failures, rank_start
 from metadist.runtime.env import LOOPBACK
 
 # After the origin's failure, how long to collect the other ranks' (secondary) errors, and how
@@ -75,25 +73,7 @@ class _Spec:
     threads: int
     parent_pid: int
     stack_file: str
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(1.0)
-
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=watch, name="metadist-parent-watch", daemon=True).start()
+    env: dict[str, str]  # the caller's at launch (a forked rank has the server's)
 
 
 def _send(conn: Connection, obj: Any) -> None:
@@ -136,9 +116,12 @@ def _serve_stack_dumps(dumps: Connection, stack_out: Any) -> None:
     threading.Thread(target=serve, name="metadist-stack-dump", daemon=True).start()
 
 
-def _worker(spec: _Spec, conn: Connection, dumps: Connection) -> None:
+def _worker(spec: _Spec, conn: Connection, dumps: Connection,
+            stdio: tuple[Any, Any] | None) -> None:
     """Child entry: join the process group, then run jobs sent by the parent until told to stop."""
-    _die_with_parent(spec.parent_pid)
+    rank_start.die_with_caller(spec.parent_pid)
+    rank_start.caller_environment(spec.env)
+    rank_start.take_stdio(stdio)
     with open(spec.stack_file, "w") as stack_out:
         # The signal is the fallback for a rank whose threads cannot run (one holds the GIL).
         faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
@@ -197,18 +180,6 @@ def _worker(spec: _Spec, conn: Connection, dumps: Connection) -> None:
         world.shutdown()
 
 
-def _pick_start_method(fn: Callable[..., Any] | None, requested: str | None) -> str:
-    if requested is not None:
-        return requested
-    main = sys.modules.get("__main__")
-    if fn is not None and getattr(fn, "__module__", None) == "__main__" and not getattr(
-        main, "__file__", None
-    ):
-        # Defined in a notebook or REPL: a spawned child cannot import it, a forked one has it.
-        return "fork"
-    return "spawn"
-
-
 class RankPool:
     """N long-lived local ranks that have joined one process group and run jobs on request.
 
@@ -224,7 +195,7 @@ class RankPool:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         if nnodes < 1 or nprocs % nnodes:
             raise ValueError(f"nprocs ({nprocs}) must be a multiple of nnodes ({nnodes})")
-        method = _pick_start_method(fn_hint, start_method)
+        method = rank_start.start_method(fn_hint, start_method)
         if method == "fork":
             import torch.distributed as dist
 
@@ -244,10 +215,11 @@ class RankPool:
         for rank in range(nprocs):
             spec = _Spec(rank, nprocs, nprocs // nnodes, port, backend, collective_timeout,
                          timeout, threads, os.getpid(),
-                         os.path.join(self._stack_dir.name, f"rank{rank}.txt"))
+                         os.path.join(self._stack_dir.name, f"rank{rank}.txt"), dict(os.environ))
             parent_end, child_end = ctx.Pipe(duplex=True)
             dump_end, dump_child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_worker, args=(spec, child_end, dump_child),
+            stdio = rank_start.CallerStdio() if method == "forkserver" else None
+            proc = ctx.Process(target=_worker, args=(spec, child_end, dump_child, stdio),
                                name=f"metadist-rank{rank}")
             proc.start()
             child_end.close()
@@ -429,6 +401,8 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (),
     Each rank calls :func:`metadist.init` first, on a free loopback port. ``nnodes`` splits
     the ranks into simulated nodes (node-local and cross-node groups behave as on a cluster).
     ``threads`` sets torch's intra-op threads per rank (default: cores / nprocs).
+    ``start_method`` is multiprocessing's (default: forked from a server that imported
+    metadist once on Linux, see :mod:`metadist.runtime.rank_start`; else ``"spawn"``).
     ``timeout`` bounds the whole call; ``collective_timeout`` is each rank's
     ``init(timeout=...)``: how long one collective may wait (default ``$METADIST_TIMEOUT``,
     else 300 s) before every rank stops with an error naming the op and the missing ranks.

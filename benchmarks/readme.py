@@ -104,6 +104,7 @@ RELABEL = {
 RELABEL_IN = {
     ("compiled", "speed-up"): "throughput ratio compiled / eager (steps / s)",
     ("comm", "speed-up"): "speed-up (time ratio one-by-one / fused)",
+    ("launch_start", "speed-up"): "speed-up (time ratio spawned / forked)",
     **{("affordable_meta", c): f"{c} MiB" for c in (
         "ddp N=1", "ddp N=2", "zero3 N=2", "zero3 N=4", "zero3 N=4 live storages")},
     ("affordable_meta", "zero3 / ddp at N=2"): "memory ratio zero3 / ddp at N=2",
@@ -375,6 +376,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "sharded_meta": _simple("sharded_meta", notes=True),
     "affordable_meta": _simple("affordable_meta", notes=True),
     "maml_overhead": _simple("maml_overhead"),
+    "launch_start": _simple("launch_start"),
     "comm": _simple("comm", notes=True),
 }
 

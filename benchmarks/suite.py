@@ -34,7 +34,7 @@ from benchmarks import PEERS, ROOT
 BENCHMARKS = ("comm", "ddp", "zero", "precision", "checkpoint", "meta", "mapreduce",
               "betty_compat", "torchopt_compat", "real_models", "deferred_init",
               "compiled", "sharded_meta", "affordable_meta", "maml_overhead",
-              "task_batchnorm", "agreement", "dtensor_spike", "gpu_step")
+              "task_batchnorm", "agreement", "dtensor_spike", "gpu_step", "launch_start")
 
 
 class SuiteError(Exception):
@@ -89,6 +89,8 @@ def spec(name: str) -> Spec:
             return Spec(name, module, world=False)
         case "agreement" | "dtensor_spike":  # the step's agreement; shards as DTensors
             return Spec(name, module)
+        case "launch_start":  # its own world sizes; new programs of its own for first launches
+            return Spec(name, module, world=False)
         case "gpu_step":  # world 1, a process per case; the size on cuda, tiny on CPUs
             return Spec(name, module, world=False)
     raise SuiteError(f"benchmark {name!r} is not known; choose from: {', '.join(BENCHMARKS)}")

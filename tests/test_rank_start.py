@@ -54,18 +54,46 @@ def test_a_rank_has_the_callers_environment_as_it_is_at_launch(
         {"METADIST_TEST_SET_AFTER": "yes", "HOME": "/nowhere-else"}] * 2
 
 
-def test_a_variable_read_at_start_up_that_differs_spawns_the_ranks(
+def test_a_variable_read_at_start_up_that_differs_starts_another_server(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """METADIST_ALLOCATOR acts when metadist is imported: a forked rank would keep the
-    server's setting, so the ranks start as fresh processes that read it."""
+    """METADIST_ALLOCATOR acts when metadist is imported: a rank forked from the running
+    server would keep its setting, so the ranks fork from a server started with the new one."""
     metadist.launch(_parent_and_env, 1)
+    first = _server_pid()
     monkeypatch.setenv(resident.ENV, "default")
     ranks = metadist.launch(_resident_setting, 2, threads=1)
-    assert [ppid for ppid, _ in ranks] == [os.getpid()] * 2
+    second = _server_pid()
+    assert second not in (first, None) and [ppid for ppid, _ in ranks] == [second] * 2
     assert all(words.startswith("glibc and torch defaults") for _, words in ranks), ranks
     monkeypatch.delenv(resident.ENV)
-    assert [ppid for ppid, _ in metadist.launch(_resident_setting, 2, threads=1)] == [
-        _server_pid()] * 2, "the caller's environment is the server's again: forked"
+    ranks = metadist.launch(_resident_setting, 2, threads=1)
+    assert _server_pid() not in (second, None)
+    assert [ppid for ppid, _ in ranks] == [_server_pid()] * 2
+    assert all(words.startswith("metadist's") for _, words in ranks), ranks
+
+
+def test_a_server_that_died_or_was_restarted_elsewhere_is_replaced() -> None:
+    """A restart metadist did not make (multiprocessing restarts a dead server on its next
+    start) has an environment metadist does not know: it starts its own again."""
+    metadist.launch(_parent_and_env, 1)
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    for restart_elsewhere in (False, True):
+        dead = _server_pid()
+        assert dead is not None
+        os.kill(dead, signal.SIGKILL)
+        if restart_elsewhere:  # as multiprocessing does on its next start: it reaps and restarts
+            deadline = time.monotonic() + 60
+            while not _gone(dead) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            server.ensure_running()
+        else:  # reaped by the program (a SIGCHLD handler, say)
+            os.waitpid(dead, 0)
+        elsewhere = _server_pid()
+        ranks = metadist.launch(_parent_and_env, 2, threads=1)
+        now = _server_pid()
+        assert now not in (dead, None) and [ppid for ppid, _ in ranks] == [now] * 2
+        if restart_elsewhere:
+            assert now != elsewhere, "a server of unknown environment served a launch"
 
 
 def _resident_setting() -> tuple[int, str]:

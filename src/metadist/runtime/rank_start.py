@@ -14,11 +14,12 @@ three things a fork would otherwise take from the server rather than the caller:
   launch (a test's capture, a redirected log), passed along with the rank;
 * the variables read only when a process or library starts (the dynamic loader's, glibc's,
   Python's, :data:`metadist.runtime.resident.ENV`): setting them in a forked rank is too late,
-  so a launch whose values differ from the server's spawns its ranks instead
-  (:func:`start_method`).
+  so a launch whose values differ from the server's starts another server with them (the old
+  one ends when the ranks it forked have).
 
 The server lives as long as the caller (it holds no rank and no process group); ranks watch the
-caller itself, since their parent is the server.
+caller itself, since their parent is the server. A program that started multiprocessing's
+forkserver itself keeps it as it is, and its ranks are spawned.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ _READ_LATER = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
 _READ_AT_IMPORT = frozenset({resident.ENV, "THP_MEM_ALLOC_ENABLE"})
 
 _lock = threading.Lock()
-_server: dict[str, Any] = {"pid": None, "env": None}  # the server metadist started, as started
+# The server metadist started and the environment it started with; servers it stopped using.
+_server: dict[str, Any] = {"configured": False, "pid": None, "env": None}
+_retired: list[int] = []
 
 
 def _read_later(key: str) -> bool:
@@ -58,23 +61,53 @@ def _differs_at_start(env: dict[str, str], other: dict[str, str]) -> bool:
     return any(env.get(k) != other.get(k) for k in keys if not _read_later(k))
 
 
+def _retire(server: Any) -> None:
+    """Stop sending ranks to the running server: it exits once the ranks it forked have (they
+    hold it), and a later :meth:`ensure_running` starts another."""
+    _retired.append(server._forkserver_pid)
+    os.close(server._forkserver_alive_fd)
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+
+
+def _reap_retired() -> None:
+    for pid in list(_retired):
+        try:
+            done = os.waitpid(pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:
+            done = True
+        if done:
+            _retired.remove(pid)
+
+
 def _forkserver_ready() -> bool:
-    """Start the server with metadist preloaded (once; again if it died) and say whether the
-    running server is that one, started with start-up variables equal to the caller's now."""
+    """Make the running server one that metadist started with the caller's start-up variables
+    as they are now (starting one, or another where they changed or it was restarted out of
+    metadist's sight); False where the program runs a server of its own."""
     server: Any = forkserver._forkserver  # private: read, and its preload set before it starts
     with _lock:
-        if server._forkserver_pid is None:
+        _reap_retired()
+        if not _server["configured"]:
+            if server._forkserver_pid is not None:
+                return False  # the program's own: its preload and environment unknown
             server._preload_modules = list(dict.fromkeys([*server._preload_modules,
                                                           *_PRELOAD]))
-        elif server._forkserver_pid != _server["pid"]:
-            return False  # started by the program itself: its preload and environment unknown
+            _server["configured"] = True
         try:
+            if server._forkserver_pid is not None and not _alive(server._forkserver_pid):
+                _retire(server)  # dead, perhaps reaped already (ensure_running would raise)
+            before = server._forkserver_pid
             server.ensure_running()
+            started = server._forkserver_pid != before  # just now, with the environment now
+            if not started and (server._forkserver_pid != _server["pid"] or _differs_at_start(
+                    dict(os.environ), _server["env"])):
+                _retire(server)
+                server.ensure_running()
+                started = True
+            if started:
+                _server.update(pid=server._forkserver_pid, env=dict(os.environ))
         except OSError:  # no server here (no socket, no process to spare): spawn
             return False
-        if server._forkserver_pid != _server["pid"]:
-            _server.update(pid=server._forkserver_pid, env=dict(os.environ))
-        return not _differs_at_start(dict(os.environ), _server["env"])
+        return True
 
 
 def start_method(fn: Callable[..., Any] | None, requested: str | None) -> str:

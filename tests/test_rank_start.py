@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import metadist
-from metadist.runtime import resident
+from metadist.runtime import rank_start, resident
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="ranks fork from a server on Linux only")
@@ -94,6 +94,16 @@ def test_a_server_that_died_or_was_restarted_elsewhere_is_replaced() -> None:
         assert now not in (dead, None) and [ppid for ppid, _ in ranks] == [now] * 2
         if restart_elsewhere:
             assert now != elsewhere, "a server of unknown environment served a launch"
+
+
+def test_a_multiprocessing_whose_server_state_differs_spawns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's state metadist reads is multiprocessing's own, not a public interface:
+    where it is not there, ranks are spawned rather than the launch failing."""
+    monkeypatch.setattr(forkserver, "_forkserver", object())
+    monkeypatch.setattr(rank_start, "_server", {"configured": False, "pid": None, "env": None})
+    ranks = metadist.launch(_parent_and_env, 2, threads=1)
+    assert [ppid for ppid, _ in ranks] == [os.getpid()] * 2
 
 
 def _resident_setting() -> tuple[int, str]:

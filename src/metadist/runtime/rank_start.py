@@ -86,13 +86,13 @@ def _forkserver_ready() -> bool:
     server: Any = forkserver._forkserver  # private: read, and its preload set before it starts
     with _lock:
         _reap_retired()
-        if not _server["configured"]:
-            if server._forkserver_pid is not None:
-                return False  # the program's own: its preload and environment unknown
-            server._preload_modules = list(dict.fromkeys([*server._preload_modules,
-                                                          *_PRELOAD]))
-            _server["configured"] = True
         try:
+            if not _server["configured"]:
+                if server._forkserver_pid is not None:
+                    return False  # the program's own: its preload and environment unknown
+                server._preload_modules = list(dict.fromkeys([*server._preload_modules,
+                                                              *_PRELOAD]))
+                _server["configured"] = True
             if server._forkserver_pid is not None and not _alive(server._forkserver_pid):
                 _retire(server)  # dead, perhaps reaped already (ensure_running would raise)
             before = server._forkserver_pid
@@ -105,8 +105,8 @@ def _forkserver_ready() -> bool:
                 started = True
             if started:
                 _server.update(pid=server._forkserver_pid, env=dict(os.environ))
-        except OSError:  # no server here (no socket, no process to spare): spawn
-            return False
+        except (OSError, AttributeError):  # no server here, or a multiprocessing whose
+            return False  # server keeps other state than the one read here: spawn
         return True
 
 

@@ -5,9 +5,10 @@ its digest) into .peers/torchopt-tests/; tests/torchopt_suite/ holds what the sd
 what this comparison adds: a stand-in for TorchOpt's tests/helpers.py and a pytest plugin
 (plugin.py) whose meta-path finder makes ``import torchopt`` resolve to
 ``metadist.compat.torchopt`` for the ``compat`` run only. Both runs take the same
-deterministic sample of every file (at most ``PER_FILE`` tests each, evenly spaced over the
-file's sorted test ids; the whole suite, 6381 tests, does not fit the suite's time budget on
-two cores) in processes of their own, side by side.
+deterministic sample of every file (the whole suite, 6381 tests, does not fit the suite's time
+budget on two cores) in processes of their own, side by side: every test function, each with
+every value of every parameter at least once, then others evenly spaced up to
+:data:`PER_FILE` tests a file.
 
 Every test that passes on TorchOpt must pass on the compat layer, except those in
 :data:`BY_DESIGN` (each with its reason). The per-file counts are printed (``pytest -s``).
@@ -25,7 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / ".peers" / "torchopt-tests"
 HERE = ROOT / "tests" / "torchopt_suite"
-PER_FILE = 40
+#: tests a file (the plugin's budget): test_implicit.py's each run JAX eagerly beside torch
+#: for up to 100 inner steps (seconds a test, the rest take milliseconds), so it runs its
+#: covering sample only
+PER_FILE = "40,test_implicit.py=16"
 
 #: tests that pass on TorchOpt and cannot on the compat layer, by design: id prefix -> reason
 BY_DESIGN: dict[str, str] = {}
@@ -75,7 +79,7 @@ def test_torchopt_suite_passes_on_the_compat_layer(tmp_path: Path) -> None:
         results[side] = json.loads(out.read_text())
     real, compat = results["real"]["outcomes"], results["compat"]["outcomes"]
     broken = {_file(n): r for n, r in results["compat"]["collection_errors"].items()}
-    print("\nTorchOpt 0.7.3's tests, a sample of at most", PER_FILE, "per file:")
+    print(f"\nTorchOpt 0.7.3's tests, a sample per file ({PER_FILE}):")
     print(_table(real, compat, broken))
     assert real, f"the run against TorchOpt ran nothing:\n{logs['real'][-4000:]}"
     assert not results["real"]["collection_errors"], results["real"]["collection_errors"]
@@ -90,3 +94,26 @@ def test_torchopt_suite_passes_on_the_compat_layer(tmp_path: Path) -> None:
     errors = "\n".join(f"{f}:\n{r[-1500:]}" for f, r in list(broken.items())[:3])
     assert not missing, (f"{len(missing)} tests pass on TorchOpt and not on the compat "
                          f"layer:\n{detail}\n{errors}\n{logs['compat'][-6000:]}")
+
+
+def test_the_sample_runs_every_function_with_every_parameter_value() -> None:
+    from torchopt_suite import plugin
+
+    class Item:
+        def __init__(self, nodeid: str) -> None:
+            self.nodeid = nodeid
+
+    grid = [Item(f"f.py::test_a[dtype(torch.float64)-lr({lr})-steps({k})-f(<function g at "
+                 f"0x{k:x}>)]") for lr in (0.1, 0.01) for k in (20, 50, 100)]
+    others = [Item(f"f.py::test_b[a{a}-b{b}-{c}]") for a in range(3) for b in range(5)
+              for c in (True, False)] + [Item("f.py::test_c")]
+    chosen = plugin._sample(grid + others, 12)  # coverings of 3 + 5 + 1 tests, 3 more
+    ids = {t.nodeid for t in chosen}
+    assert len(chosen) == 12 and len(ids) == 12
+    for group in (grid, others[:30]):
+        wanted = set().union(*(plugin._values(t) for t in group))
+        assert wanted == set().union(*(plugin._values(t) for t in group if t.nodeid in ids))
+    assert "f.py::test_c" in ids
+    assert plugin._values(grid[0]) == {(0, "dtype(torch.float64)"), (1, "lr(0.1)"),
+                                       (2, "steps(20)"), (3, "f(<function g>)")}
+    assert plugin._sample(others, 40) == sorted(others, key=lambda t: t.nodeid)

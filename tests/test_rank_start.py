@@ -72,6 +72,14 @@ def test_a_variable_read_at_start_up_that_differs_starts_another_server(
     assert all(words.startswith("metadist's") for _, words in ranks), ranks
 
 
+def test_ranks_state_the_allocator_setting_they_run_under() -> None:
+    """A rank inherits the caller's huge-page variable (set by metadist's import there) and
+    says that setting is in force, as the caller does."""
+    assert "torch huge pages" in resident.setting()
+    assert [words for _, words in metadist.launch(_resident_setting, 2, threads=1)] == [
+        resident.setting()] * 2
+
+
 def test_a_server_that_died_or_was_restarted_elsewhere_is_replaced() -> None:
     """A restart metadist did not make (multiprocessing restarts a dead server on its next
     start) has an environment metadist does not know: it starts its own again."""

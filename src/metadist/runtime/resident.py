@@ -12,6 +12,8 @@ is what runs out. Two settings make resident memory follow the tensors:
   that size or more is mapped on allocation and unmapped when freed;
 * torch's CPU allocator asked for transparent huge pages on such tensors
   (``THP_MEM_ALLOC_ENABLE``), so mapping one faults it in 2 MiB at a time instead of 4 KiB.
+  (torch aligns such a tensor to a page, not to 2 MiB, so its first and last partial 2 MiB
+  still fault in small pages.)
 
 The price is the kernel zeroing each freshly mapped page, which the heap's reuse avoids: small
 next to the page faults huge pages save, and paid only by tensors of the threshold's size.
@@ -61,4 +63,5 @@ def apply() -> None:
         _applied.append(f"glibc mmap threshold {THRESHOLD >> 20} MiB")
     if os.environ.get(_TORCH_THP) is None:
         os.environ[_TORCH_THP] = "1"  # read by torch at its first CPU allocation
+    if os.environ[_TORCH_THP] == "1":  # set here, or inherited from the process that set it
         _applied.append("torch huge pages")

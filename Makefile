@@ -18,11 +18,8 @@ $(DEMO_STAMP): pyproject.toml constraints/dev.txt scripts/setup_demo.sh
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/metadist demo
 
-# Two workers (pytest-xdist), each test file on one of them so that its module's rank pools
-# serve all its tests: one test at a time leaves CI's 2 cores idle while ranks wait on each
-# other and launched programs start, and every test holds on a loaded machine by design.
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

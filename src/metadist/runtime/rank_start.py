@@ -150,18 +150,27 @@ def take_stdio(stdio: tuple[Any, Any] | None) -> None:
         os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def process_state(pid: int | None) -> str | None:
+    """Process ``pid``'s state letter from /proc (``R``, ``S``, ``T``, ``Z``, ...); None where
+    it cannot be read (no such process, no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+            return f.read().rpartition(")")[2].split()[0]
     except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
+        return None
+
+
+def _alive(pid: int) -> bool:
+    state = process_state(pid)
+    if state is not None:
+        return state not in ("Z", "X")
+    try:  # no /proc: ask the kernel whether the pid exists
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def die_with_caller(caller_pid: int) -> None:

@@ -47,11 +47,7 @@ _DUMP_WAIT_S = 20.0
 
 def _is_stopped(pid: int | None) -> bool:
     """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it cannot report."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    return rank_start.process_state(pid) in ("T", "t")
 
 
 def free_port() -> int:
